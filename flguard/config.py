@@ -1,0 +1,47 @@
+"""Configuration primitives: strict pydantic models whose errors name the field, value and rule.
+
+Every user-facing config in flguard derives from ``StrictModel`` so that a typo'd field or a bad
+value fails at construction with a one-line message, not a traceback from deep inside torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+T = TypeVar("T", bound="StrictModel")
+
+
+class ConfigError(ValueError):
+    """A configuration value is not allowed; the message names the field, the value and the rule."""
+
+
+def describe_validation_error(model_name: str, error: ValidationError) -> str:
+    """Render pydantic's errors as ``Model.field: value=... is not allowed: reason`` lines."""
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(root)"
+        reason = item["msg"]
+        if item["type"] == "extra_forbidden":
+            reason = "unknown field (check its spelling)"
+        value = item.get("input")
+        lines.append(f"{model_name}.{field}: value={value!r} is not allowed: {reason}")
+    return "\n".join(lines)
+
+
+class StrictModel(BaseModel):
+    """Base for all flguard configs: unknown fields are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as error:
+            raise ConfigError(describe_validation_error(type(self).__name__, error)) from None
+
+    @classmethod
+    def parse(cls: type[T], data: dict[str, Any]) -> T:
+        """Build from a plain mapping (TOML, JSON); same errors as the constructor."""
+        return cls(**data)

@@ -1,0 +1,141 @@
+"""Architectures: the I2F LeNet, Chen & Campbell's CNN variants, an MLP, a linear model, ResNet18."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from flguard.models.init import initialize
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """One convolution: kernel width, output channels, stride, padding (seed 002 Table 1 order)."""
+
+    kernel: int
+    channels: int
+    stride: int
+    padding: int
+
+    def output_size(self, size: int) -> int:
+        return (size + 2 * self.padding - self.kernel) // self.stride + 1
+
+
+# Chen & Campbell, Table 1: tanh after every bias-free convolution, no pooling, FC with bias.
+CNN_VARIANTS: dict[str, tuple[ConvSpec, ...]] = {
+    "cnn2_v1": (ConvSpec(3, 6, 1, 0),),
+    "cnn2_v2": (ConvSpec(4, 6, 2, 0),),
+    "cnn3_v1": (ConvSpec(3, 6, 1, 0), ConvSpec(4, 3, 2, 0)),
+    "cnn3_v2": (ConvSpec(4, 6, 2, 0), ConvSpec(3, 3, 2, 0)),
+    "cnn3_v3": (ConvSpec(3, 6, 1, 0), ConvSpec(3, 9, 1, 0)),
+    "cnn3_v4": (ConvSpec(3, 1, 1, 0), ConvSpec(3, 6, 1, 0)),
+    "cnn4_v1": (ConvSpec(3, 6, 1, 0), ConvSpec(4, 5, 2, 0), ConvSpec(4, 3, 1, 0)),
+    "cnn4_v2": (ConvSpec(5, 16, 1, 0), ConvSpec(5, 6, 2, 0), ConvSpec(5, 32, 1, 2)),
+}
+
+# The I2F LeNet (seed 003 Table 1; Sun et al. 2020): four 5x5 convolutions of 12 channels with
+# sigmoid, padding 2, strides 2, 2, 1, 1, then one FC layer.
+LENET_CONVS = (ConvSpec(5, 12, 2, 2), ConvSpec(5, 12, 2, 2), ConvSpec(5, 12, 1, 2), ConvSpec(5, 12, 1, 2))
+
+
+def _conv_stack(
+    name: str, specs: tuple[ConvSpec, ...], in_channels: int, image_size: int,
+    activation: Callable[[], nn.Module], bias: bool,
+) -> tuple[list[nn.Module], int]:
+    """Build conv+activation layers and return them with the flattened output width."""
+    layers: list[nn.Module] = []
+    size, channels = image_size, in_channels
+    for index, spec in enumerate(specs, start=1):
+        out = spec.output_size(size)
+        if out < 1:
+            raise ValueError(
+                f"model {name!r}: image_size={image_size} is too small; layer {index} "
+                f"(kernel {spec.kernel}, stride {spec.stride}, padding {spec.padding}) would get a "
+                f"{size}x{size} input and produce {out}x{out}"
+            )
+        layers += [nn.Conv2d(channels, spec.channels, spec.kernel, spec.stride, spec.padding, bias=bias),
+                   activation()]
+        size, channels = out, spec.channels
+    return layers, channels * size * size
+
+
+def conv_net(name: str, specs: tuple[ConvSpec, ...], in_channels: int, num_classes: int,
+             image_size: int, activation: Callable[[], nn.Module], conv_bias: bool) -> nn.Sequential:
+    """A sequential conv net: convolutions with an activation each, flatten, one FC layer."""
+    layers, width = _conv_stack(name, specs, in_channels, image_size, activation, conv_bias)
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(width, num_classes))
+
+
+def _lenet(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    return conv_net("lenet", LENET_CONVS, in_channels, num_classes, image_size, nn.Sigmoid, True)
+
+
+def _cnn(name: str) -> Callable[[int, int, int], nn.Module]:
+    def build(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+        return conv_net(name, CNN_VARIANTS[name], in_channels, num_classes, image_size, nn.Tanh, False)
+    return build
+
+
+def _mlp(in_channels: int, num_classes: int, image_size: int, hidden: int = 256) -> nn.Module:
+    """Two-layer perceptron with a sigmoid hidden layer (smooth, like the I2F LeNet)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size**2, hidden), nn.Sigmoid(),
+                         nn.Linear(hidden, num_classes))
+
+
+def _linear(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size**2, num_classes))
+
+
+def _resnet18(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    """torchvision's ResNet18 with the usual small-image stem (3x3 stride-1 conv, no max-pool)."""
+    from torchvision.models import resnet18
+
+    if image_size < 8:
+        raise ValueError(f"model 'resnet18': image_size={image_size} is too small (need at least 8)")
+    model = resnet18(weights=None, num_classes=num_classes)
+    model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+_BUILDERS: dict[str, Callable[[int, int, int], nn.Module]] = {
+    "lenet": _lenet,
+    **{name: _cnn(name) for name in CNN_VARIANTS},
+    "mlp": _mlp,
+    "linear": _linear,
+    "resnet18": _resnet18,
+}
+MODEL_NAMES = tuple(_BUILDERS)
+
+
+def create(name: str, *, in_channels: int = 3, num_classes: int = 10, image_size: int = 32,
+           init: str = "default") -> nn.Module:
+    """Build model ``name`` for ``in_channels`` x ``image_size`` x ``image_size`` inputs.
+
+    Raises ``ValueError`` naming the argument when the name, init or geometry is not usable.
+    """
+    if name not in _BUILDERS:
+        raise ValueError(f"model name={name!r} is unknown; choose one of {', '.join(MODEL_NAMES)}")
+    for field, value in (("in_channels", in_channels), ("num_classes", num_classes), ("image_size", image_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"model {name!r}: {field}={value!r} must be a positive integer")
+    if num_classes < 2:
+        raise ValueError(f"model {name!r}: num_classes={num_classes} must be at least 2")
+    model = _BUILDERS[name](in_channels, num_classes, image_size)
+    return initialize(model, init)
+
+
+def conv_specs(name: str) -> tuple[ConvSpec, ...]:
+    """The convolution specs of a sequential conv model (``lenet`` or a CNN variant)."""
+    if name == "lenet":
+        return LENET_CONVS
+    if name in CNN_VARIANTS:
+        return CNN_VARIANTS[name]
+    raise ValueError(f"model {name!r} is not a sequential conv net with a spec table")
+
+
+def num_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

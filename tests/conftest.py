@@ -1,0 +1,16 @@
+"""Shared test setup: Flower offline, deterministic torch, small thread pools."""
+
+import os
+
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed_torch():
+    torch.manual_seed(0)
+    yield

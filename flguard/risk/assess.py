@@ -1,0 +1,154 @@
+"""``assess``: every per-sample leakage metric of one batch from one Jacobian operator.
+
+Work is shared: a single Lanczos run on K_i = J_iJ_iᵀ gives λmax and λmin (and the basis the
+trace estimator deflates with); one on LAVP's H_cos,i gives both of its ends; I2F is one batched
+CG solve. Only what the requested ``metrics`` need is computed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from flguard.risk.krylov import conjugate_gradient
+from flguard.risk.lanczos import LanczosResult, lanczos
+from flguard.risk.operator import JacobianOperator, LossFn
+from flguard.risk.report import DELTA_METRICS, METRIC_NAMES, RiskReport
+from flguard.risk.trace import deflated_hutchinson, exact_trace
+
+#: Default Tikhonov ε of I2F, relative to each sample's λmax: ε_i = DEFAULT_EPS_RELATIVE · λmax,i.
+#: A relative ε is scale-free (λ spans orders of magnitude across models and samples); the value
+#: is the one chosen by the ε study in docs/results.md.
+DEFAULT_EPS_RELATIVE = 1e-2
+#: Input dimension up to which tr(K_i) is computed exactly (dx products); above it, deflated
+#: Hutchinson.
+EXACT_TRACE_MAX_DIM = 256
+
+_NEEDS_K = {"lambda_max", "lambda_min", "lavp_fusion", "i2f_lb", "rmse_i2f_lb", "jacobian_fro2"}
+_NEEDS_COS = {"lavp_cos_max", "lavp_cos_min", "lavp_fusion"}
+
+
+def _resolve_metrics(metrics: Iterable[str] | None, delta: torch.Tensor | None) -> set[str]:
+    if metrics is None:
+        wanted = set(METRIC_NAMES) - (set() if delta is not None else set(DELTA_METRICS))
+    else:
+        wanted = set(metrics)
+        unknown = wanted - set(METRIC_NAMES)
+        if unknown:
+            raise ValueError(f"metrics={sorted(unknown)} are unknown; choose from {', '.join(METRIC_NAMES)}")
+        if wanted & set(DELTA_METRICS) and delta is None:
+            raise ValueError(f"metrics {sorted(wanted & set(DELTA_METRICS))} need delta (a perturbation of the gradient)")
+    return wanted
+
+
+def _k_operator_lanczos(op: JacobianOperator, wanted: set[str], rtol: float, seed: int) -> LanczosResult:
+    ends = "both" if "lambda_min" in wanted else "max"
+    return lanczos(lambda q: op.kmv(q.unsqueeze(1)).squeeze(1), op.batch_size, op.dx, like=op.x,
+                   rtol=rtol, ends=ends, seed=seed)
+
+
+def _cos_hessian_lanczos(op: JacobianOperator, rtol: float, seed: int) -> LanczosResult:
+    """Both ends of H_cos,i = J_i (I − ĝĝᵀ) J_iᵀ / ‖g‖² (LAVP Thm. 4), g the batch gradient."""
+    g = op.batch_gradient()
+    g_norm2 = (g * g).sum().clamp_min(torch.finfo(g.dtype).tiny)
+    g_hat = g / g_norm2.sqrt()
+
+    def matvec(q: torch.Tensor) -> torch.Tensor:
+        w = op.jt(q.unsqueeze(1)).squeeze(1)
+        w = w - (w @ g_hat).unsqueeze(1) * g_hat
+        return op.j(w.unsqueeze(1)).squeeze(1) / g_norm2
+
+    return lanczos(matvec, op.batch_size, op.dx, like=op.x, rtol=rtol, ends="both", seed=seed + 1)
+
+
+def resolve_eps(eps: float | torch.Tensor | None, lambda_max: torch.Tensor | None, batch: int,
+                like: torch.Tensor) -> torch.Tensor:
+    """The absolute ε per sample: given (scalar or [B]) or DEFAULT_EPS_RELATIVE · λmax."""
+    if eps is None:
+        if lambda_max is None:
+            raise ValueError("eps=None needs lambda_max (the default ε is relative to it)")
+        return DEFAULT_EPS_RELATIVE * lambda_max
+    value = torch.as_tensor(eps, dtype=like.dtype, device=like.device)
+    if value.ndim == 0:
+        value = value.expand(batch)
+    if value.shape != (batch,) or bool((value < 0).any()) or not bool(torch.isfinite(value).all()):
+        raise ValueError(f"eps must be a non-negative finite scalar or a tensor of shape [{batch}]")
+    return value.clone()
+
+
+def assess(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, loss_fn: LossFn | None = None,
+           delta: torch.Tensor | None = None, eps: float | torch.Tensor | None = None, rtol: float = 1e-3,
+           metrics: Iterable[str] | None = None, seed: int = 0, coupled: bool | None = None) -> RiskReport:
+    """Per-sample leakage metrics of batch ``(x, y)`` under ``model`` (see ``RiskReport``).
+
+    ``delta`` [dθ] is a perturbation of the shared gradient (trainable parameters in
+    ``model.parameters()`` order); with it, I2F ‖(K_i+εI)⁻¹J_iδ‖ and its lower bound
+    ‖J_iδ‖/λmax are reported, and their RMSEs (divided by √dx). ``eps`` is the absolute Tikhonov ε
+    (scalar or [B]); ``None`` means DEFAULT_EPS_RELATIVE · λmax per sample.
+    """
+    start = time.perf_counter()
+    wanted = _resolve_metrics(metrics, delta)
+    op = JacobianOperator(model, x, y, loss_fn, coupled=coupled)
+    if delta is not None and (delta.ndim != 1 or delta.numel() != op.dtheta):
+        raise ValueError(f"delta must be a flat tensor of {op.dtheta} entries (the trainable parameters), "
+                         f"got shape {tuple(delta.shape)}")
+    need_k = bool(wanted & _NEEDS_K) or ({"i2f", "rmse_i2f"} & wanted and eps is None)
+    report = RiskReport(path="coupled" if op.coupled else "per-sample")
+    converged = torch.ones(op.batch_size, dtype=torch.bool, device=op.device)
+    if "grad_norm" in wanted:
+        report.grad_norm = op.per_sample_gradients().norm(dim=1)
+    k_result = _k_operator_lanczos(op, wanted, rtol, seed) if need_k else None
+    if k_result is not None:
+        converged &= k_result.converged
+        report.lambda_max = k_result.lambda_max
+        report.details["lanczos_iterations"] = k_result.iterations
+        if "lambda_min" in wanted:
+            report.lambda_min = k_result.lambda_min.clamp_min(0)
+    if wanted & _NEEDS_COS:
+        cos_result = _cos_hessian_lanczos(op, rtol, seed)
+        converged &= cos_result.converged
+        report.lavp_cos_max = cos_result.lambda_max
+        report.lavp_cos_min = cos_result.lambda_min.clamp_min(0)
+        if "lavp_fusion" in wanted:
+            report.lavp_fusion = (k_result.lambda_max * report.lavp_cos_min).sqrt()
+        report.lavp_cos_max = report.lavp_cos_max if "lavp_cos_max" in wanted else None
+        report.lavp_cos_min = report.lavp_cos_min if "lavp_cos_min" in wanted else None
+    if "jacobian_fro2" in wanted:
+        if op.dx <= EXACT_TRACE_MAX_DIM:
+            report.jacobian_fro2 = exact_trace(op.jt, op.batch_size, op.dx, like=op.x)
+        else:
+            basis_trace = k_result.ritz_values.sum(dim=1)
+            report.jacobian_fro2, probes = deflated_hutchinson(op.jt, k_result.basis, basis_trace, seed=seed + 2)
+            report.details["hutchinson_probes"] = probes
+    if delta is not None:
+        _i2f(op, report, wanted, delta.to(op.x), eps, rtol, converged)
+    if "lambda_max" not in wanted:
+        report.lambda_max = None
+    report.converged = converged
+    report.matvecs = op.applications
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _i2f(op: JacobianOperator, report: RiskReport, wanted: set[str], delta: torch.Tensor,
+         eps: float | torch.Tensor | None, rtol: float, converged: torch.Tensor) -> None:
+    """I2F = ‖(K_i+εI)⁻¹ J_iδ‖ by CG, and the bound ‖J_iδ‖/λmax; RMSEs divide by √dx."""
+    b = op.j(delta.expand(op.batch_size, 1, -1)).squeeze(1)
+    root_dx = op.dx ** 0.5
+    if {"i2f_lb", "rmse_i2f_lb"} & wanted:
+        report.i2f_lb = b.norm(dim=1) / report.lambda_max
+        report.rmse_i2f_lb = report.i2f_lb / root_dx
+    if {"i2f", "rmse_i2f"} & wanted:
+        shift = resolve_eps(eps, report.lambda_max, op.batch_size, op.x)
+        solved = conjugate_gradient(lambda q: op.kmv(q.unsqueeze(1)).squeeze(1), b, shift, rtol=rtol)
+        converged &= solved.converged
+        report.eps = shift
+        report.i2f = solved.solution.norm(dim=1)
+        report.rmse_i2f = report.i2f / root_dx
+        report.details["cg_iterations"] = solved.iterations
+    for name in DELTA_METRICS:
+        if name not in wanted:
+            setattr(report, name, None)

@@ -1,0 +1,214 @@
+"""The one operator behind I2F, LAVP and the guard: per-sample blocks of the mixed Jacobian.
+
+For a batch X = (x_1..x_B) with labels Y and the batch loss L(X, θ), sample i's block is
+
+    J_i = ∇_{x_i} ∇_θ L(X, θ)  ∈ R^{dx × dθ}.
+
+``JacobianOperator`` never forms J_i; it applies it matrix-free, batched over samples and over
+several vectors per sample:
+
+- ``jt(u)``: J_iᵀ u_i (u_i ∈ R^dx → R^dθ), forward-over-reverse: the directional derivative of
+  ∇_θ L along a perturbation of x_i (``torch.func.jvp`` of ``torch.func.grad``).
+- ``j(v)``:  J_i v_i (v_i ∈ R^dθ → R^dx), reverse-over-reverse: ∇_{x_i} ⟨∇_θ L, v_i⟩.
+
+Two exact paths:
+
+- **per-sample** (default when possible): the model has no cross-sample coupling and the loss is
+  a sum of per-sample terms times a constant (mean or sum reduction). Then
+  J_i = c ∇_{x_i}∇_θ ℓ(f(x_i), y_i) and everything is ``vmap``-ed over samples: one batched call
+  serves all B samples.
+- **coupled** (train-mode BatchNorm, or a loss that does not split per sample): the batch stays
+  fixed and products are ``vmap``-ed over tangent directions, each a whole-batch tangent that is
+  zero except at sample i. Exact, but B times the work of the per-sample path.
+
+Parameters are the model's trainable parameters in ``model.parameters()`` order, flattened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, jvp, vjp, vmap
+import torch.nn.functional as F
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def default_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy with mean reduction (the FedSGD batch loss)."""
+    return F.cross_entropy(logits, labels)
+
+
+def has_batch_coupling(model: nn.Module) -> bool:
+    """True when a module mixes samples in the forward pass (train-mode BatchNorm)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
+
+
+def check_deterministic(model: nn.Module) -> None:
+    """Refuse train-mode dropout: the Jacobian of a random mask is not a property of the sample."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
+            raise ValueError(f"module {name!r} is a train-mode Dropout; call model.eval() or remove it "
+                             "before measuring leakage (the Jacobian of a random mask is undefined)")
+
+
+@contextlib.contextmanager
+def batchnorm_without_running_stats(model: nn.Module) -> Iterator[None]:
+    """Train-mode BatchNorm normalises with batch statistics either way; switching off
+    ``track_running_stats`` keeps exactly that forward but stops the in-place running-stat
+    updates, which cannot happen under ``vmap`` (and must not change the client's model)."""
+    touched = [m for m in model.modules()
+               if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats]
+    for m in touched:
+        m.track_running_stats = False
+    try:
+        yield
+    finally:
+        for m in touched:
+            m.track_running_stats = True
+
+
+def _separable_scale(loss_fn: LossFn, logits: torch.Tensor, labels: torch.Tensor) -> float | None:
+    """c such that loss_fn(batch) = c Σ_i loss_fn(sample i), or None if neither mean nor sum fits."""
+    batch_loss = loss_fn(logits, labels)
+    per_sample = vmap(lambda z, y: loss_fn(z.unsqueeze(0), y.unsqueeze(0)))(logits, labels)
+    total = per_sample.sum()
+    size = logits.shape[0]
+    tol = 1e-4 * float(total.abs()) + 1e-12
+    if abs(float(batch_loss) - float(total) / size) <= tol:
+        return 1.0 / size
+    if abs(float(batch_loss) - float(total)) <= tol:
+        return 1.0
+    return None
+
+
+class JacobianOperator:
+    """Matrix-free per-sample blocks J_i of the batch loss's mixed Jacobian (see module doc).
+
+    Vectors are batched as [B, k, dx] for ``jt`` and [B, k, dθ] for ``j``; ``applications``
+    counts operator applications per sample (a call on k vectors for each sample counts k).
+    """
+
+    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,
+                 *, coupled: bool | None = None, chunk_size: int | None = None) -> None:
+        check_deterministic(model)
+        self.model = model
+        self.loss_fn = loss_fn or default_loss
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        if not self.names:
+            raise ValueError("the model has no trainable parameters: there is no gradient to leak")
+        params = dict(model.named_parameters())
+        self.params = {n: params[n].detach() for n in self.names}
+        self.buffers = dict(model.named_buffers())
+        self.x = x.detach().to(next(iter(self.params.values())).dtype)
+        self.y = y.detach()
+        self.batch_size = int(x.shape[0])
+        self.input_shape = tuple(x.shape[1:])
+        self.dx = int(self.x[0].numel())
+        self.dtheta = sum(p.numel() for p in self.params.values())
+        self.chunk_size = chunk_size
+        self.applications = 0
+        with torch.no_grad(), batchnorm_without_running_stats(model):
+            logits = self._forward(self.params, self.x)
+        scale = None if has_batch_coupling(model) else _separable_scale(self.loss_fn, logits, self.y)
+        self.coupled = (scale is None) if coupled is None else coupled
+        if not self.coupled and scale is None:
+            raise ValueError("coupled=False needs a per-sample-separable loss (mean or sum reduction) "
+                             "and a model without train-mode BatchNorm")
+        self.scale = 1.0 if scale is None else scale
+
+    # -- building blocks -------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    def _forward(self, params: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.model, (params, self.buffers), (inputs,))
+
+    def _flat(self, tree: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([tree[n].reshape(-1) for n in self.names])
+
+    def _sample_grad(self, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        """Unscaled ∇_θ ℓ(f(x_i), y_i), flat [dθ] (per-sample path)."""
+        def sample_loss(params):
+            return self.loss_fn(self._forward(params, xi.unsqueeze(0)), yi.unsqueeze(0))
+        return self._flat(grad(sample_loss)(self.params))
+
+    def _batch_grad(self, inputs: torch.Tensor) -> torch.Tensor:
+        """∇_θ L(X, θ) of the whole batch, flat [dθ] (coupled path)."""
+        def batch_loss(params):
+            return self.loss_fn(self._forward(params, inputs), self.y)
+        return self._flat(grad(batch_loss)(self.params))
+
+    def _vmap(self, fn: Callable, in_dims=0) -> Callable:
+        return vmap(fn, in_dims=in_dims, chunk_size=self.chunk_size)
+
+    # -- the two products ------------------------------------------------------------------
+    def jt(self, u: torch.Tensor) -> torch.Tensor:
+        """J_iᵀ u_i for every sample: u [B, k, dx] → [B, k, dθ]."""
+        batch, k = self._check(u, self.dx)
+        self.applications += k
+        with batchnorm_without_running_stats(self.model):
+            if not self.coupled:
+                def one_sample(xi, yi, ui):
+                    tangent = lambda t: jvp(lambda z: self._sample_grad(z, yi), (xi,), (t.view_as(xi),))[1]
+                    return vmap(tangent)(ui)
+                return self.scale * self._vmap(one_sample)(self.x, self.y, u)
+            tangents = torch.zeros(batch, k, batch, self.dx, dtype=u.dtype, device=u.device)
+            idx = torch.arange(batch, device=u.device)
+            tangents[idx, :, idx] = u
+            tangents = tangents.view(batch * k, *self.x.shape)
+            out = self._vmap(lambda t: jvp(self._batch_grad, (self.x,), (t,))[1])(tangents)
+            return out.view(batch, k, self.dtheta)
+
+    def j(self, v: torch.Tensor) -> torch.Tensor:
+        """J_i v_i for every sample: v [B, k, dθ] → [B, k, dx]."""
+        batch, k = self._check(v, self.dtheta)
+        self.applications += k
+        with batchnorm_without_running_stats(self.model):
+            if not self.coupled:
+                def one_sample(xi, yi, vi):
+                    _, pullback = vjp(lambda z: self._sample_grad(z, yi), xi)
+                    return vmap(lambda w: pullback(w)[0].reshape(-1))(vi)
+                return self.scale * self._vmap(one_sample)(self.x, self.y, v)
+            _, pullback = vjp(self._batch_grad, self.x)
+            rows = self._vmap(lambda w: pullback(w)[0])(v.reshape(batch * k, self.dtheta))
+            rows = rows.view(batch, k, batch, self.dx)
+            idx = torch.arange(batch, device=v.device)
+            return rows[idx, :, idx]
+
+    def kmv(self, u: torch.Tensor) -> torch.Tensor:
+        """K_i u_i = J_i J_iᵀ u_i, u [B, k, dx] → [B, k, dx] (two applications)."""
+        return self.j(self.jt(u))
+
+    # -- gradients -------------------------------------------------------------------------
+    def per_sample_gradients(self) -> torch.Tensor:
+        """Unscaled per-sample gradients ∇_θ ℓ(f(x_i), y_i), [B, dθ] (with the batch's
+        normalisation statistics when samples are coupled)."""
+        with batchnorm_without_running_stats(self.model):
+            if not self.coupled:
+                return self._vmap(self._sample_grad)(self.x, self.y)
+
+            def losses(params):
+                logits = self._forward(params, self.x)
+                return vmap(lambda z, y: self.loss_fn(z.unsqueeze(0), y.unsqueeze(0)))(logits, self.y)
+
+            jac = torch.func.jacrev(losses)(self.params)
+            return torch.cat([jac[n].reshape(self.batch_size, -1) for n in self.names], dim=1)
+
+    def batch_gradient(self) -> torch.Tensor:
+        """The shared gradient g = ∇_θ L(X, θ), flat [dθ]."""
+        with batchnorm_without_running_stats(self.model):
+            return self._batch_grad(self.x)
+
+    def _check(self, vectors: torch.Tensor, dim: int) -> tuple[int, int]:
+        if vectors.ndim != 3 or vectors.shape[0] != self.batch_size or vectors.shape[2] != dim:
+            raise ValueError(f"expected vectors of shape [B={self.batch_size}, k, {dim}], got {tuple(vectors.shape)}")
+        return int(vectors.shape[0]), int(vectors.shape[1])

@@ -1,0 +1,49 @@
+"""Independent dense references for the risk engine: J_i built column by column with autograd."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def dense_jacobians(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """J [B, dx, dθ] with J[i, a, p] = ∂/∂x_i[a] ∂L(X)/∂θ_p, and the batch gradient g [dθ].
+
+    Built by one autograd call per parameter coordinate: slow and obviously correct.
+    """
+    loss_fn = loss_fn or nn.functional.cross_entropy
+    params = [p for p in model.parameters() if p.requires_grad]
+    inputs = x.detach().clone().requires_grad_(True)
+    loss = loss_fn(model(inputs), y)
+    g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, params, create_graph=True)])
+    columns = []
+    for p in range(g.numel()):
+        gx = torch.autograd.grad(g[p], inputs, retain_graph=True, allow_unused=True)[0]
+        columns.append(torch.zeros_like(inputs) if gx is None else gx)
+    jac = torch.stack([c.reshape(len(x), -1) for c in columns], dim=2)
+    return jac.detach(), g.detach()
+
+
+def dense_metrics(jac: torch.Tensor, g: torch.Tensor, delta: torch.Tensor | None = None, eps=None) -> dict:
+    """Every RiskReport number from dense matrices with eigh / solve / trace."""
+    kernel = jac @ jac.transpose(1, 2)
+    lam = torch.linalg.eigvalsh(kernel)
+    g_hat = g / g.norm()
+    proj = torch.eye(len(g), dtype=g.dtype) - torch.outer(g_hat, g_hat)
+    h_cos = jac @ proj @ jac.transpose(1, 2) / g.dot(g)
+    mu = torch.linalg.eigvalsh(h_cos)
+    out = {"lambda_max": lam[:, -1], "lambda_min": lam[:, 0].clamp_min(0), "eigenvalues": lam,
+           "jacobian_fro2": kernel.diagonal(dim1=1, dim2=2).sum(-1),
+           "lavp_cos_max": mu[:, -1], "lavp_cos_min": mu[:, 0].clamp_min(0)}
+    out["lavp_fusion"] = (out["lambda_max"] * out["lavp_cos_min"]).sqrt()
+    if delta is not None:
+        b = jac @ delta
+        dx = jac.shape[1]
+        eye = torch.eye(dx, dtype=jac.dtype)
+        eps_t = torch.as_tensor(eps, dtype=jac.dtype).expand(len(jac))
+        sol = torch.linalg.solve(kernel + eps_t.view(-1, 1, 1) * eye, b.unsqueeze(-1)).squeeze(-1)
+        out["i2f"] = sol.norm(dim=1)
+        out["i2f_lb"] = b.norm(dim=1) / out["lambda_max"]
+        out["rmse_i2f"] = out["i2f"] / dx**0.5
+        out["rmse_i2f_lb"] = out["i2f_lb"] / dx**0.5
+    return out

@@ -1,0 +1,183 @@
+"""assess() against dense float64 references (autograd Jacobians + eigh/solve/trace)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from flguard.risk import assess
+from flguard.risk.closed_forms import expected_i2f_sq
+from risk_reference import dense_jacobians, dense_metrics
+
+RTOL = 1e-3
+
+
+def _linear():
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, 3))
+
+
+def _mlp():
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _conv():
+    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.Sigmoid(), nn.Flatten(), nn.Linear(3 * 2 * 2, 3))
+
+
+def _batchnorm():
+    return nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 2 * 2, 3))
+
+
+MODELS = {"linear": _linear, "mlp": _mlp, "conv": _conv, "batchnorm-train": _batchnorm}
+
+
+def _problem(name: str, batch: int, dtype=torch.float64):
+    torch.manual_seed(1)
+    model = MODELS[name]().to(dtype)
+    x = torch.randn(batch, 1, 4, 4, dtype=dtype)
+    y = torch.randint(0, 3, (batch,))
+    return model, x, y
+
+
+def _check_all(rep, ref, scale_dtype_tol=1.0):
+    lam_max = ref["lambda_max"]
+    torch.testing.assert_close(rep.lambda_max, lam_max, rtol=RTOL * scale_dtype_tol, atol=0)
+    assert torch.all((rep.lambda_min - ref["lambda_min"]).abs() <= RTOL * lam_max * scale_dtype_tol)
+    torch.testing.assert_close(rep.lavp_cos_max, ref["lavp_cos_max"], rtol=RTOL * scale_dtype_tol, atol=0)
+    assert torch.all((rep.lavp_cos_min - ref["lavp_cos_min"]).abs() <= RTOL * ref["lavp_cos_max"] * scale_dtype_tol)
+    torch.testing.assert_close(rep.jacobian_fro2, ref["jacobian_fro2"], rtol=1e-2, atol=0)
+    torch.testing.assert_close(rep.i2f_lb, ref["i2f_lb"], rtol=2 * RTOL * scale_dtype_tol, atol=0)
+    torch.testing.assert_close(rep.rmse_i2f_lb, ref["rmse_i2f_lb"], rtol=2 * RTOL * scale_dtype_tol, atol=0)
+    torch.testing.assert_close(rep.i2f, ref["i2f"], rtol=1e-2, atol=0)
+    torch.testing.assert_close(rep.rmse_i2f, ref["rmse_i2f"], rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_every_field_matches_dense_reference(name, batch):
+    model, x, y = _problem(name, batch)
+    if name == "batchnorm-train" and batch == 1:
+        pytest.skip("train-mode BatchNorm needs more than one sample")
+    jac, g = dense_jacobians(model, x, y)
+    delta = 0.1 * torch.randn(jac.shape[2], dtype=x.dtype)
+    eps = 0.05 * float(torch.linalg.eigvalsh(jac @ jac.transpose(1, 2))[:, -1].mean())
+    ref = dense_metrics(jac, g, delta, eps)
+    rep = assess(model, x, y, delta=delta, eps=eps)
+    assert rep.path == ("coupled" if name == "batchnorm-train" else "per-sample")
+    assert bool(rep.converged.all())
+    _check_all(rep, ref)
+    per_sample = torch.stack([torch.cat([p.reshape(-1) for p in torch.autograd.grad(
+        nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), list(model.parameters()))])
+        for i in range(batch)]) if name != "batchnorm-train" else None
+    if per_sample is not None:
+        torch.testing.assert_close(rep.grad_norm, per_sample.norm(dim=1), rtol=1e-10, atol=0)
+    torch.testing.assert_close(rep.eps, torch.full((batch,), eps, dtype=x.dtype))
+
+
+def test_batchnorm_train_mode_leaves_running_stats_alone():
+    model, x, y = _problem("batchnorm-train", 4)
+    before = [b.clone() for b in model.buffers()]
+    assess(model, x, y, metrics=("lambda_max",))
+    for old, new in zip(before, model.buffers()):
+        assert torch.equal(old, new)
+
+
+def test_float32_matches_float64_reference():
+    model, x, y = _problem("conv", 3)
+    jac, g = dense_jacobians(model, x, y)
+    delta = 0.1 * torch.randn(jac.shape[2], dtype=x.dtype)
+    ref = dense_metrics(jac, g, delta, eps=1e-3)
+    rep = assess(model.float(), x.float(), y, delta=delta.float(), eps=1e-3)
+    assert rep.lambda_max.dtype == torch.float32
+    _check_all(_as64(rep), ref, scale_dtype_tol=5.0)
+
+
+def _as64(rep):
+    for name, value in rep.metrics().items():
+        setattr(rep, name, value.double())
+    return rep
+
+
+def test_default_eps_is_relative_to_lambda_max():
+    from flguard.risk import DEFAULT_EPS_RELATIVE
+
+    model, x, y = _problem("mlp", 2)
+    delta = torch.randn(sum(p.numel() for p in model.parameters()), dtype=x.dtype)
+    rep = assess(model, x, y, delta=delta, metrics=("i2f", "lambda_max"))
+    torch.testing.assert_close(rep.eps, DEFAULT_EPS_RELATIVE * rep.lambda_max)
+    jac, g = dense_jacobians(model, x, y)
+    ref = dense_metrics(jac, g, delta, eps=rep.eps)
+    torch.testing.assert_close(rep.i2f, ref["i2f"], rtol=1e-2, atol=0)
+
+
+def test_only_requested_metrics_are_computed():
+    model, x, y = _problem("mlp", 2)
+    full = assess(model, x, y)
+    only = assess(model, x, y, metrics=("lambda_max",))
+    assert only.lambda_min is None and only.lavp_cos_max is None and only.jacobian_fro2 is None and only.i2f is None
+    torch.testing.assert_close(only.lambda_max, full.lambda_max, rtol=RTOL, atol=0)
+    assert 0 < only.matvecs < full.matvecs
+
+
+def test_eps_zero_i2f_is_invariant_to_the_batch_mean_factor():
+    """J_i of the mean loss is J̃_i/B; an attacker rescales by B, so I(δ) with the mean loss equals
+    I(Bδ) with the summed loss when ε = 0."""
+    model, x, y = _problem("mlp", 3)
+    delta = 0.1 * torch.randn(sum(p.numel() for p in model.parameters()), dtype=x.dtype)
+    mean = assess(model, x, y, delta=delta, eps=0.0, metrics=("i2f",), rtol=1e-6)
+    summed = assess(model, x, y, delta=3 * delta, eps=0.0, metrics=("i2f",), rtol=1e-6,
+                    loss_fn=lambda z, t: nn.functional.cross_entropy(z, t, reduction="sum"))
+    torch.testing.assert_close(mean.i2f, summed.i2f, rtol=1e-4, atol=0)
+    jac, g = dense_jacobians(model, x, y)
+    kernel = jac @ jac.transpose(1, 2)
+    exact = torch.linalg.lstsq(kernel, (jac @ delta).unsqueeze(-1)).solution.squeeze(-1).norm(dim=1)
+    torch.testing.assert_close(mean.i2f, exact, rtol=1e-3, atol=0)
+
+
+def test_gaussian_closed_form_matches_monte_carlo():
+    model, x, y = _problem("conv", 2)
+    jac, _ = dense_jacobians(model, x, y)
+    kernel = jac @ jac.transpose(1, 2)
+    lam = torch.linalg.eigvalsh(kernel)
+    sigma, eps = 0.3, 0.1 * float(lam[:, -1].mean())
+    draws = sigma * torch.randn(20000, jac.shape[2], dtype=x.dtype, generator=torch.Generator().manual_seed(0))
+    inverse = torch.linalg.inv(kernel + eps * torch.eye(jac.shape[1], dtype=x.dtype))
+    values = torch.einsum("bij,bjp,np->nbi", inverse, jac, draws).pow(2).sum(-1).mean(0)
+    torch.testing.assert_close(expected_i2f_sq(lam, sigma, eps), values, rtol=3e-2, atol=0)
+    # and assess's I2F of one draw agrees with the dense value of that draw
+    rep = assess(model, x, y, delta=draws[0], eps=eps, metrics=("i2f",))
+    dense = torch.einsum("bij,bjp,p->bi", inverse, jac, draws[0]).norm(dim=1)
+    torch.testing.assert_close(rep.i2f, dense, rtol=1e-2, atol=0)
+
+
+def test_forced_coupled_path_agrees_with_per_sample_path():
+    model, x, y = _problem("conv", 3)
+    delta = torch.randn(sum(p.numel() for p in model.parameters()), dtype=x.dtype)
+    fast = assess(model, x, y, delta=delta, eps=1e-3)
+    slow = assess(model, x, y, delta=delta, eps=1e-3, coupled=True)
+    for name in ("lambda_max", "i2f_lb", "i2f", "lavp_cos_max", "grad_norm"):
+        torch.testing.assert_close(getattr(fast, name), getattr(slow, name), rtol=1e-2, atol=0)
+
+
+def test_bad_arguments_are_clear_errors():
+    model, x, y = _problem("mlp", 2)
+    with pytest.raises(ValueError, match="unknown"):
+        assess(model, x, y, metrics=("lambda_maxx",))
+    with pytest.raises(ValueError, match="need delta"):
+        assess(model, x, y, metrics=("i2f",))
+    with pytest.raises(ValueError, match="delta must be a flat tensor"):
+        assess(model, x, y, delta=torch.zeros(3, dtype=x.dtype))
+    dropout = nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(16, 3)).double().train()
+    with pytest.raises(ValueError, match="Dropout"):
+        assess(dropout, x, y)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_matches_cpu():
+    model, x, y = _problem("conv", 3)
+    delta = torch.randn(sum(p.numel() for p in model.parameters()), dtype=x.dtype)
+    cpu = assess(model, x, y, delta=delta, eps=1e-3)
+    gpu = assess(model.cuda(), x.cuda(), y.cuda(), delta=delta.cuda(), eps=1e-3)
+    for name, value in cpu.metrics().items():
+        torch.testing.assert_close(getattr(gpu, name).cpu(), value, rtol=1e-2, atol=1e-12)

@@ -1,0 +1,32 @@
+"""Flower integration: the malicious-server strategy wrapper, the shared FL task, the truth channel.
+
+- ``MaliciousServer`` wraps any Flower 1.41 Message-API strategy and attacks the uploads it sees.
+- ``flguard.flower.task``: model, client partitions, local SGD and record helpers the apps share.
+- ``flguard.flower.truth``: the simulation-only channel giving the server the true batches to score.
+"""
+
+from flguard.flower.malicious import (
+    AttackSpec,
+    ClientUpdate,
+    MaliciousServer,
+    delta_to_gradient,
+    every_client,
+    first_clients,
+    score_batch,
+)
+from flguard.flower.truth import TRUTH_DIR_KEY, TruthChannelRefused, TruthReader, in_simulation_runtime, record_batch
+
+__all__ = [
+    "AttackSpec",
+    "ClientUpdate",
+    "MaliciousServer",
+    "delta_to_gradient",
+    "every_client",
+    "first_clients",
+    "score_batch",
+    "TRUTH_DIR_KEY",
+    "TruthChannelRefused",
+    "TruthReader",
+    "in_simulation_runtime",
+    "record_batch",
+]

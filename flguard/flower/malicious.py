@@ -1,0 +1,394 @@
+"""A Flower strategy wrapper that plays the malicious server: it inverts what clients upload.
+
+``MaliciousServer(strategy, model_fn=..., input_shape=..., attacks=[AttackSpec("gs")])`` is itself
+a Flower 1.41 Message-API ``Strategy``. It delegates every decision to the wrapped strategy
+(sampling, aggregation, evaluation) and, in between, does what a curious server could do:
+
+1. ``configure_train`` remembers, per node, the global model θ0 and the train config it sent;
+2. ``aggregate_train`` sees the replies *before* the wrapped strategy aggregates them, turns each
+   chosen client's upload into the batch gradient (``delta_to_gradient``: ``(θ0 − θK) / (K·lr)``,
+   exact for FedSGD, K = 1), and queues one attack job per (client, attack);
+3. each job runs ``flguard.attacks.reconstruct`` — on a background thread unless
+   ``blocking=True`` — scores the reconstruction against the client's true batch when the
+   simulation-only channel (``flguard.flower.truth``) provides it, and appends one row to
+   ``attacks.jsonl`` and ``attacks.csv`` plus a PNG grid under ``images/``;
+4. ``start`` waits for every queued job before it returns (``flush``), so no result is lost.
+
+The replies passed on to the wrapped strategy are the clients' own, untouched: the wrapper never
+adds records, and the true batches travel through files, never through messages.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy.result import Result
+from torch import nn
+
+from flguard.flower.task import BATCH_SIZE_KEY, LOCAL_STEPS_KEY, LR_KEY
+from flguard.flower.truth import TrueBatch, TruthReader
+
+log = logging.getLogger(__name__)
+
+# Columns of attacks.csv (attacks.jsonl rows carry the same keys).
+ROW_FIELDS = ("round", "node_id", "partition_id", "attack", "method", "batch_size", "local_steps", "lr",
+              "iterations", "restarts", "labels_from", "scored", "psnr", "ssim", "mse", "rmse", "rmse_input",
+              "lpips", "label_accuracy", "loss", "seconds", "status", "error", "image")
+
+
+@dataclass(frozen=True)
+class AttackSpec:
+    """One attack the server runs on every chosen upload.
+
+    ``labels``: ``"recover"`` (the attack recovers them, e.g. iDLG) or ``"true"`` (the client's
+    true labels from the simulation channel: the "labels known" threat model).
+    ``hyperparameters`` go to ``reconstruct`` unchanged (e.g. ``{"tv": 0.01}``).
+    ``unroll``: attack a K-step update by unrolling the K steps when the method can (it accepts
+    ``local_steps``); otherwise, or with ``unroll=False``, attack the averaged gradient.
+    """
+
+    method: str = "gs"
+    iterations: int | None = None
+    restarts: int = 1
+    labels: str = "recover"
+    seed: int | None = 0
+    name: str | None = None
+    unroll: bool = True
+    hyperparameters: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.labels not in ("recover", "true"):
+            raise ValueError(f"AttackSpec.labels={self.labels!r} must be 'recover' or 'true'")
+        if self.restarts < 1 or (self.iterations is not None and self.iterations < 1):
+            raise ValueError("AttackSpec.restarts and .iterations must be positive")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.method
+
+
+@dataclass
+class ClientUpdate:
+    """A client's upload, decoded into what the attacks need."""
+
+    gradient: list[torch.Tensor]  # (θ0 − θK)/(K·lr), model.parameters() order
+    update: list[torch.Tensor]  # θK − θ0, what a K-step attack unrolls
+    batch_size: int  # images behind the update: K·B for K local steps of B
+    local_steps: int
+    lr: float
+
+
+# (model holding θ0, θ0 state, θK state, train config sent) -> the decoded update.
+UpdateDecoder = Callable[[nn.Module, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor], Mapping[str, Any]],
+                         ClientUpdate]
+# (server round, node ids that replied) -> node ids to attack.
+TargetSelector = Callable[[int, Sequence[int]], Iterable[int]]
+
+
+def delta_to_gradient(model: nn.Module, before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor],
+                      config: Mapping[str, Any]) -> ClientUpdate:
+    """Decode an uploaded model θK: the update ``θK − θ0`` and the gradient ``(θ0 − θK) / (K · lr)``.
+
+    For FedSGD (K = 1 plain SGD step) the gradient *is* the batch gradient, up to float32 rounding
+    of θ. For K > 1 it is the mean of the K step gradients, i.e. approximately the gradient of the
+    mean loss over all K·B samples (exact to first order in lr); attacks that unroll the K steps
+    (``local_steps`` hyperparameter, e.g. GS) get the raw update instead (see ``_attack_inputs``).
+    """
+    lr = float(config.get(LR_KEY, 0.0))
+    steps = int(config.get(LOCAL_STEPS_KEY, 1))
+    if not lr > 0 or steps < 1:
+        raise ValueError(f"train config needs a positive '{LR_KEY}' and '{LOCAL_STEPS_KEY}' to decode an update; "
+                         f"got {dict(config)}")
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    missing = [name for name in names if name not in before or name not in after]
+    if missing:
+        raise ValueError(f"upload lacks parameters {missing[:3]}...; is the ArrayRecord a model state_dict?")
+    update = [after[n].double() - before[n].double() for n in names]
+    gradient = [u.mul(-1.0 / (lr * steps)).float() for u in update]
+    batch = int(config.get(BATCH_SIZE_KEY, 1)) * steps
+    return ClientUpdate(gradient, [u.float() for u in update], batch, steps, lr)
+
+
+def every_client(server_round: int, node_ids: Sequence[int]) -> Iterable[int]:
+    """Attack every client that replied."""
+    return node_ids
+
+
+def first_clients(count: int) -> TargetSelector:
+    """Attack the ``count`` replying clients with the smallest node ids."""
+    return lambda server_round, node_ids: sorted(node_ids)[:count]
+
+
+def _state(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    return {key: tensor.clone() for key, tensor in record.to_torch_state_dict().items()}
+
+
+def _pixel_map(normalization: tuple[Sequence[float], Sequence[float]] | None
+               ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Model input space -> pixels in [0, 1] (identity without a normalisation)."""
+    if normalization is None:
+        return lambda x: x
+    mean, std = (torch.tensor([float(v) for v in values]).view(-1, 1, 1) for values in normalization)
+    return lambda x: x * std.to(x) + mean.to(x)
+
+
+def _finite(value: float) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+class MaliciousServer(Strategy):
+    """Wrap ``strategy`` and attack the chosen clients' uploads every round (see module docstring)."""
+
+    def __init__(self, strategy: Strategy, *, model_fn: Callable[[], nn.Module], input_shape: Sequence[int],
+                 attacks: Sequence[AttackSpec] = (AttackSpec(),), out_dir: str | Path = "attack-results",
+                 targets: int | TargetSelector | None = None, rounds: Iterable[int] | None = None,
+                 decoder: UpdateDecoder = delta_to_gradient,
+                 normalization: tuple[Sequence[float], Sequence[float]] | None = None,
+                 truth_dir: str | Path | None = None, blocking: bool = False, save_images: bool = True,
+                 device: str | torch.device | None = None) -> None:
+        if not attacks:
+            raise ValueError("MaliciousServer needs at least one AttackSpec")
+        self.strategy = strategy
+        self.model_fn = model_fn
+        self.input_shape = tuple(int(s) for s in input_shape)
+        self.attacks = tuple(attacks)
+        self.out_dir = Path(out_dir)
+        self.select: TargetSelector = (every_client if targets is None else
+                                       first_clients(targets) if isinstance(targets, int) else targets)
+        self.rounds = None if rounds is None else set(rounds)
+        self.decoder = decoder
+        self.normalization = normalization
+        self.to_pixels = _pixel_map(normalization)
+        self.truth_dir = None if truth_dir is None else Path(truth_dir)
+        self.blocking = blocking
+        self.save_images = save_images
+        self.device = device
+        self.results: list[dict[str, Any]] = []
+        self._sent: dict[int, dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]] = {}
+        self._reader: TruthReader | None = None
+        self._pending: list[Future[None]] = []
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"MaliciousServer({self.strategy!r}, attacks={[a.label for a in self.attacks]})"
+
+    # ---- Strategy interface: delegate, observing the train round ---------------------------
+    def summary(self) -> None:
+        """Log the attack settings, then the wrapped strategy's summary."""
+        log.info("MaliciousServer: attacks %s, results in %s, truth channel %s", [a.label for a in self.attacks],
+                 self.out_dir, "on (simulation)" if self.truth_dir else "off")
+        self.strategy.summary()
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """Delegate, and remember θ0 and the config sent to each node (the attacker's knowledge)."""
+        if self.truth_dir is not None and self._reader is None:
+            self._reader = TruthReader(self.truth_dir, grid)  # refuses outside the simulation runtime
+        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        states: dict[int, dict[str, torch.Tensor]] = {}
+        sent: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+        for message in messages:
+            content = message.content
+            record = next(iter(content.array_records.values()), arrays)
+            state = states.setdefault(id(record), _state(record))
+            cfg = dict(next(iter(content.config_records.values()), config))
+            sent[message.metadata.dst_node_id] = (state, cfg)
+        self._sent[server_round] = sent
+        return messages
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Queue attacks on the chosen uploads, then let the wrapped strategy aggregate them as they are."""
+        replies = list(replies)
+        sent = self._sent.pop(server_round, {})
+        if self.rounds is None or server_round in self.rounds:
+            usable = {r.metadata.src_node_id: r for r in replies
+                      if not r.has_error() and len(r.content.array_records) == 1 and r.metadata.src_node_id in sent}
+            for node_id in self.select(server_round, list(usable)):
+                self._capture(server_round, usable[node_id], *sent[node_id])
+        return self.strategy.aggregate_train(server_round, replies)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return self.strategy.aggregate_evaluate(server_round, replies)
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Run the wrapped strategy's rounds; every queued attack has finished when this returns."""
+        try:
+            return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
+                                 evaluate_fn)
+        finally:
+            self.close()
+
+    # ---- attacks -------------------------------------------------------------------------
+    def flush(self) -> list[dict[str, Any]]:
+        """Wait for every queued attack; returns all result rows so far."""
+        while self._pending:
+            self._pending.pop(0).result()
+        return list(self.results)
+
+    def close(self) -> None:
+        """Flush and stop the background worker (a later round starts a new one)."""
+        self.flush()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def _capture(self, server_round: int, reply: Message, before: dict[str, torch.Tensor],
+                 config: dict[str, Any]) -> None:
+        node_id = reply.metadata.src_node_id
+        after = _state(next(iter(reply.content.array_records.values())))
+        truth = self._reader.read(reply.metadata.run_id, server_round, node_id) if self._reader else None
+        for spec in self.attacks:
+            job = (server_round, node_id, spec, before, after, config, truth)
+            if self.blocking:
+                self._run(*job)
+                continue
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flguard-attack")
+            self._pending.append(self._executor.submit(self._run, *job))
+
+    def _run(self, server_round: int, node_id: int, spec: AttackSpec, before: dict[str, torch.Tensor],
+             after: dict[str, torch.Tensor], config: dict[str, Any], truth: TrueBatch | None) -> None:
+        """One attack job; never raises (a failure becomes a row with status 'error')."""
+        row: dict[str, Any] = {"round": server_round, "node_id": node_id,
+                               "partition_id": truth.partition_id if truth else None, "attack": spec.label,
+                               "method": spec.method, "iterations": spec.iterations, "restarts": spec.restarts,
+                               "scored": False, "status": "ok", "error": None, "image": None}
+        started = time.perf_counter()
+        try:
+            from flguard.attacks import reconstruct
+
+            model = self.model_fn()
+            model.load_state_dict(before, strict=True)
+            update = self.decoder(model, before, after, config)
+            row.update(batch_size=update.batch_size, local_steps=update.local_steps, lr=update.lr)
+            use_truth = spec.labels == "true" and truth is not None
+            labels = truth.labels if use_truth else None
+            row["labels_from"] = "true" if use_truth else "recovered"
+            target, extra = self._attack_inputs(spec, update)
+            rec = reconstruct(model, target, self.input_shape, method=spec.method, labels=labels,
+                              batch_size=update.batch_size, iterations=spec.iterations, restarts=spec.restarts,
+                              device=self.device, seed=spec.seed, **extra)
+            row["loss"] = _finite(float(rec.loss))
+            images = rec.images.detach().cpu()
+            if truth is not None:
+                scores = score_batch(truth.inputs, images, self.to_pixels, truth.labels, rec.labels)
+                images = images[scores.pop("permutation")]  # in the true batch's order
+                row.update(scores, scored=True)
+            if self.save_images:
+                row["image"] = self._save_grid(server_round, node_id, spec, images, truth)
+        except Exception as error:  # one failed attack must not stop the FL run or the other jobs
+            log.exception("attack %s on node %s, round %s failed", spec.label, node_id, server_round)
+            row.update(status="error", error=f"{type(error).__name__}: {error}")
+        row["seconds"] = time.perf_counter() - started
+        self._append(row)
+
+    def _attack_inputs(self, spec: AttackSpec, update: ClientUpdate) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """The target and hyperparameters for ``reconstruct``: the normalisation where the method
+        takes it (box and TV in pixel space), and the K-step unrolling where it can."""
+        from flguard.attacks.api import hyperparameters_of
+
+        accepted = hyperparameters_of(spec.method)
+        extra: dict[str, Any] = {}
+        if self.normalization is not None and {"mean", "std"} <= accepted.keys():
+            extra.update(mean=tuple(self.normalization[0]), std=tuple(self.normalization[1]))
+        target = update.gradient
+        if update.local_steps > 1 and spec.unroll and "local_steps" in accepted:
+            target = update.update
+            extra.update(local_steps=update.local_steps, local_lr=update.lr,
+                         local_batch_size=update.batch_size // update.local_steps)
+        extra.update(spec.hyperparameters)
+        return target, extra
+
+    def _save_grid(self, server_round: int, node_id: int, spec: AttackSpec, images: torch.Tensor,
+                   truth: TrueBatch | None) -> str:
+        from torchvision.utils import save_image
+
+        rows = [self.to_pixels(images)]
+        if truth is not None and truth.inputs.shape == images.shape:
+            rows.insert(0, self.to_pixels(truth.inputs))
+        path = self.out_dir / "images" / f"round-{server_round:04d}_node-{node_id}_{spec.label}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_image(torch.cat(rows).clamp(0, 1), path, nrow=images.shape[0], padding=2, pad_value=1.0)
+        return str(path.relative_to(self.out_dir))
+
+    def _append(self, row: dict[str, Any]) -> None:
+        """Append one row to attacks.jsonl and attacks.csv (a header when the CSV is new)."""
+        row = {key: row.get(key) for key in ROW_FIELDS}
+        with self._lock:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.out_dir / "attacks.jsonl", "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(row) + "\n")
+            csv_path = self.out_dir / "attacks.csv"
+            new = not csv_path.exists() or csv_path.stat().st_size == 0
+            with open(csv_path, "a", encoding="utf-8", newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=ROW_FIELDS)
+                if new:
+                    writer.writeheader()
+                writer.writerow({k: "" if v is None else v for k, v in row.items()})
+            self.results.append(row)
+
+    def __getattr__(self, name: str) -> Any:
+        # Attributes the wrapped strategy exposes (e.g. ``weighted_by_key``) stay reachable.
+        if name == "strategy":
+            raise AttributeError(name)
+        return getattr(self.strategy, name)
+
+
+def score_batch(truth: torch.Tensor, images: torch.Tensor, to_pixels: Callable[[torch.Tensor], torch.Tensor],
+                true_labels: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> dict[str, Any]:
+    """Batch means of PSNR, SSIM, MSE, RMSE in pixels (clamped to [0, 1]) after Hungarian matching.
+
+    ``rmse_input`` is the RMSE in model-input units (the unit of the guard's ``min_rmse``);
+    ``permutation`` puts the reconstructions in the true batch's order.
+    """
+    from flguard.attacks import metrics
+
+    if truth.shape != images.shape:
+        raise ValueError(f"reconstruction {tuple(images.shape)} and true batch {tuple(truth.shape)} differ in shape")
+    scores = metrics.score(to_pixels(images).clamp(0, 1), to_pixels(truth).clamp(0, 1), data_range=1.0)
+    permutation = scores["permutation"].cpu()
+    aligned = images[permutation]
+    out: dict[str, Any] = {
+        "psnr": _finite(float(scores["psnr"].double().mean())),
+        "ssim": _finite(float(scores["ssim"].double().mean())),
+        "mse": float(scores["mse"].double().mean()),
+        "rmse": float(scores["mse"].double().sqrt().mean()),
+        "rmse_input": float((aligned - truth).flatten(1).pow(2).mean(1).sqrt().mean()),
+        "label_accuracy": None,
+        "permutation": permutation,
+    }
+    if "lpips" in scores:
+        out["lpips"] = float(scores["lpips"].double().mean())
+    if true_labels is not None and labels is not None and labels.numel() == true_labels.numel():
+        out["label_accuracy"] = float((labels.cpu().view(-1)[permutation] == true_labels.view(-1)).double().mean())
+    return out
+
+
+def summarize(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Mean PSNR/SSIM/MSE over the scored rows (for logs and reports)."""
+    scored = [r for r in rows if r.get("scored")]
+    return {key: float(np.mean([r[key] for r in scored if r.get(key) is not None] or [float("nan")]))
+            for key in ("psnr", "ssim", "mse")}

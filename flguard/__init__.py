@@ -2,4 +2,21 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "Guard", "GuardConfig", "GuardReport", "GuardOutput"]
+
+
+def __getattr__(name: str):
+    # The guard pulls in torch.func machinery; import it on first use so `flguard --help` is fast.
+    if name == "Guard":
+        from flguard.guard import Guard
+
+        return Guard
+    if name == "GuardConfig":
+        from flguard.guard_config import GuardConfig
+
+        return GuardConfig
+    if name in ("GuardReport", "GuardOutput"):
+        from flguard import guard_report
+
+        return getattr(guard_report, name)
+    raise AttributeError(name)

@@ -21,12 +21,14 @@ def describe_validation_error(model_name: str, error: ValidationError) -> str:
     """Render pydantic's errors as ``Model.field: value=... is not allowed: reason`` lines."""
     lines = []
     for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "(root)"
-        reason = item["msg"]
+        field = ".".join(str(part) for part in item["loc"])
+        reason = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             reason = "unknown field (check its spelling)"
-        value = item.get("input")
-        lines.append(f"{model_name}.{field}: value={value!r} is not allowed: {reason}")
+        if not field:  # a rule across fields: its message names them
+            lines.append(f"{model_name}: {reason}")
+            continue
+        lines.append(f"{model_name}.{field}: value={item.get('input')!r} is not allowed: {reason}")
     return "\n".join(lines)
 
 

@@ -60,12 +60,13 @@ def _tridiagonal(alphas: list[torch.Tensor], betas: list[torch.Tensor]) -> torch
 
 
 def lanczos(matvec: Matvec, batch: int, dim: int, *, like: torch.Tensor, rtol: float = 1e-3,
-            ends: str = "both", max_iter: int | None = None, return_vectors: bool = False,
+            ends: str = "both", max_iter: int | None = None, min_iter: int = 0, return_vectors: bool = False,
             seed: int = 0) -> LanczosResult:
     """Extreme eigenvalues of ``batch`` symmetric PSD n×n operators applied by ``matvec``.
 
     ``ends``: ``"max"``, ``"min"`` or ``"both"`` — which Ritz pairs must meet the tolerance.
-    ``like``: a tensor whose dtype and device the vectors take.
+    ``like``: a tensor whose dtype and device the vectors take. ``min_iter`` keeps going past
+    convergence (a richer Krylov space for callers that need interior Ritz directions).
     """
     if ends not in ("max", "min", "both"):
         raise ValueError(f"ends={ends!r} must be 'max', 'min' or 'both'")
@@ -88,7 +89,7 @@ def lanczos(matvec: Matvec, batch: int, dim: int, *, like: torch.Tensor, rtol: f
         scale = theta[:, -1].abs().clamp_min(tiny)
         residuals = beta.unsqueeze(1) * s[:, -1, :].abs()
         done = _ends_converged(residuals, scale, rtol, ends)
-        if bool(done.all()) or step == limit:
+        if (bool(done.all()) and step >= min_iter) or step == limit:
             break
         # Breakdown: an invariant subspace was found; continue from a fresh orthogonal vector.
         broken = beta <= 10 * tiny * scale

@@ -27,7 +27,7 @@ def exact_trace(jt: Transpose, batch: int, dim: int, *, like: torch.Tensor, chun
 
 
 def deflated_hutchinson(jt: Transpose, basis: torch.Tensor, basis_trace: torch.Tensor, *, rtol: float = 3e-3,
-                        probes: int = 16, max_probes: int = 256, seed: int = 0) -> tuple[torch.Tensor, int]:
+                        probes: int = 64, max_probes: int = 512, seed: int = 0) -> tuple[torch.Tensor, int]:
     """tr(K_i) ≈ tr(QᵀKQ) + mean_z ‖J_iᵀ P z‖², adding probes until the standard error of the
     estimate is at most ``rtol`` of it (or ``max_probes``). Returns the trace [B] and probes used."""
     batch, rank, dim = basis.shape

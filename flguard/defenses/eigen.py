@@ -1,0 +1,43 @@
+"""Eigen-aware noise: random mixtures of each sample's weakest-seen directions (I2F §5.1).
+
+Noise along the right singular vector v_j = J_iᵀu_j/√λ_j moves sample i's best reconstruction by
+|a|·√λ_j/(λ_j+ε) (the regularised gain), while noise in J_i's null space does nothing. So per
+sample we take the ``subspace_size`` Ritz directions of K_i with the largest gain, map them to
+parameter space, and mix them with fresh Gaussian coefficients — random *within* the subspace, so
+the server can neither predict nor cancel the noise. Each sample's mixture is normalised to unit
+predicted I2F on its own sample, the mixtures are summed, and the guard scales the sum until
+every sample meets the floor jointly (cross-terms are re-checked on the realised noise).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flguard.defenses.base import DefenseContext, Direction
+from flguard.risk.assess import i2f_norms
+
+
+def regularised_gain(eigenvalues: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """√λ/(λ+ε): I2F per unit of noise along the direction with eigenvalue λ."""
+    lam = eigenvalues.clamp_min(0)
+    return lam.sqrt() / (lam + eps)
+
+
+def eigen_direction(ctx: DefenseContext) -> Direction:
+    spectrum = ctx.info["spectrum"]  # LanczosResult with Ritz vectors, from the guard's measurement
+    op, cfg = ctx.op, ctx.config
+    gains = regularised_gain(spectrum.ritz_values, ctx.eps.unsqueeze(1))  # [B, m]
+    k = min(cfg.subspace_size, gains.shape[1])
+    best = gains.topk(k, dim=1)
+    chosen = spectrum.ritz_vectors.gather(1, best.indices.unsqueeze(2).expand(-1, -1, op.dx))  # [B, k, dx]
+    directions = op.jt(chosen)  # [B, k, dθ]; ‖J_iᵀu‖ = √θ for a Ritz pair
+    directions = directions / directions.norm(dim=2, keepdim=True).clamp_min(torch.finfo(directions.dtype).tiny)
+    coefficients = torch.randn(op.batch_size, k, generator=ctx.generator, dtype=directions.dtype,
+                               device=directions.device)
+    per_sample = torch.einsum("bk,bkp->bp", coefficients, directions)
+    own, _, converged = i2f_norms(op, per_sample, ctx.eps, cfg.rtol)
+    if not bool(converged.all()) or not bool((own > 0).all()):
+        raise RuntimeError("eigen defense: a sample's weak directions have no measurable effect on its recovery")
+    combined = (per_sample / own.unsqueeze(1)).sum(0)
+    return Direction(combined, {"kind": "eigen", "subspace": k, "best_gain": best.values[:, 0],
+                                "mean_gain": best.values.mean(1)})

@@ -1,0 +1,183 @@
+"""The leakage guard: measure → perturb → verify → report, failing closed.
+
+``Guard(config).protect(model, x, y, gradient)`` returns the gradient to upload — or ``None`` —
+and a ``GuardReport``. The promise: when ``report.met`` is true, every sample's predicted recovery
+RMSE (``assess``'s ``rmse_i2f`` with δ = the noise actually added) is at least ``min_rmse``.
+Anything that goes wrong (a NaN gradient, a solver that does not converge, an exception, a floor
+that needs more noise than the budget) ends in the ``on_unmet`` policy; with the default ``drop``
+no gradient leaves the client, and never the unguarded one unless ``send`` was acknowledged.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from flguard.defenses import BASELINES, DIRECTIONS, DefenseContext, draw_generator
+from flguard.guard_config import THRESHOLD_DEFENSES, GuardConfig
+from flguard.guard_report import GuardOutput, GuardReport
+from flguard.risk.assess import i2f_norms
+from flguard.risk.lanczos import lanczos
+from flguard.risk.operator import JacobianOperator, LossFn
+
+
+class GuardFailure(RuntimeError):
+    """Measuring or perturbing failed; the message is the reply's reason."""
+
+
+@dataclass
+class _Outcome:
+    noise: torch.Tensor
+    rmse_after: torch.Tensor
+    rmse_lb_after: torch.Tensor
+    eps: torch.Tensor
+    met: bool
+    reason: str = ""
+    info: dict = field(default_factory=dict)
+
+
+class Guard:
+    """Applies the configured defense to one batch's flat gradient (see module doc)."""
+
+    def __init__(self, config: GuardConfig | None = None) -> None:
+        self.config = config if config is not None else GuardConfig()
+
+    def protect(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, gradient: torch.Tensor,
+                loss_fn: LossFn | None = None) -> GuardOutput:
+        start = time.perf_counter()
+        cfg = self.config
+        batch = int(x.shape[0])
+        op: JacobianOperator | None = None
+        try:
+            flat = _checked_gradient(gradient, model)
+            op = JacobianOperator(model, x, y, loss_fn)
+            outcome = self._perturb(op, flat)
+        except Exception as error:  # fail closed on anything, with the reason in the report
+            reason = str(error) if isinstance(error, GuardFailure) else f"{type(error).__name__}: {error}"
+            return self._failed(gradient, batch, reason, op, start)
+        report = GuardReport(
+            rmse_before=torch.zeros(batch), rmse_after=outcome.rmse_after.cpu(), rmse_lb_after=outcome.rmse_lb_after.cpu(),
+            eps=outcome.eps.cpu(), noise_norm=float(outcome.noise.norm()),
+            rel_noise=float(outcome.noise.norm() / flat.norm().clamp_min(1e-30)), met=outcome.met, defense=cfg.defense,
+            reason=outcome.reason, matvecs=op.applications, seconds=0.0, min_rmse=cfg.min_rmse, details=outcome.info)
+        if outcome.met or cfg.defense not in THRESHOLD_DEFENSES:
+            report.seconds = time.perf_counter() - start
+            return GuardOutput((flat + outcome.noise).view_as(gradient), report)
+        return self._apply_policy(flat, gradient, report, start)
+
+    # -- measuring and perturbing -----------------------------------------------------------
+    def _perturb(self, op: JacobianOperator, flat: torch.Tensor) -> _Outcome:
+        cfg = self.config
+        generator = draw_generator(cfg.seed, flat.device)
+        eigen = cfg.defense == "eigen"
+        lanczos_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=flat.device))
+        spectrum = lanczos(lambda q: op.kmv(q.unsqueeze(1)).squeeze(1), op.batch_size, op.dx, like=op.x,
+                           rtol=cfg.rtol, ends="max", min_iter=cfg.krylov_steps if eigen else 0,
+                           return_vectors=eigen, seed=lanczos_seed)
+        if not bool(spectrum.converged.all()):
+            raise GuardFailure("λmax did not converge within the Lanczos limit")
+        lambda_max = spectrum.lambda_max
+        eps = cfg.eps * lambda_max if cfg.eps_mode == "relative" else torch.full_like(lambda_max, cfg.eps)
+        ctx = DefenseContext(op, flat, eps, lambda_max, generator, cfg, {"spectrum": spectrum})
+        if cfg.defense in THRESHOLD_DEFENSES:
+            return self._meet_floor(ctx)
+        noise = BASELINES[cfg.defense](ctx) - flat
+        i2f, jd, converged = i2f_norms(op, noise, eps, cfg.rtol) if noise.any() else _zeros(op, flat)
+        if not bool(converged.all()):
+            raise GuardFailure("I2F solve did not converge")
+        root = op.dx ** 0.5
+        rmse = i2f / root
+        met = bool((rmse >= cfg.min_rmse).all())
+        info = {k: v for k, v in ctx.info.items() if k != "spectrum"}
+        return _Outcome(noise, rmse, jd / lambda_max / root, eps, met, "" if met else "baseline misses min_rmse", info)
+
+    def _meet_floor(self, ctx: DefenseContext) -> _Outcome:
+        """Scale the defense's direction until every sample's I2F RMSE ≥ τ, verified on the noise."""
+        cfg, op = self.config, ctx.op
+        root = op.dx ** 0.5
+        direction = DIRECTIONS[cfg.defense](ctx)
+        if cfg.min_rmse == 0:
+            zeros = torch.zeros(op.batch_size, dtype=op.dtype, device=op.device)
+            return _Outcome(torch.zeros_like(ctx.gradient), zeros, zeros, ctx.eps, True)
+        unit, _, converged = i2f_norms(op, direction.vector, ctx.eps, cfg.rtol)
+        if not bool(converged.all()) or not bool((unit > 0).all()):
+            raise GuardFailure("the noise direction has no measurable effect on some sample")
+        # Verified against τ(1+rtol): the CG bound keeps the exact I2F within rtol of the reported one.
+        floor = cfg.min_rmse * (1 + cfg.rtol)
+        noise = direction.vector * (cfg.min_rmse * (1 + 2 * cfg.rtol) * root / unit.min())
+        for _ in range(cfg.max_rescales + 1):
+            i2f, jd, converged = i2f_norms(op, noise, ctx.eps, cfg.rtol)
+            rmse = i2f / root
+            if bool(converged.all()) and bool((rmse >= floor).all()):
+                break
+            noise = noise * max(float(floor * (1 + cfg.rtol) / rmse.min()), 1 + cfg.rtol)
+        else:
+            raise GuardFailure("the floor could not be verified on the realised noise")
+        info = {"scale": float(noise.norm() / direction.vector.norm()), **_summaries(direction.info)}
+        budget = cfg.max_rel_noise * float(ctx.gradient.norm())
+        if float(noise.norm()) > budget:
+            return _Outcome(noise, rmse, jd / ctx.lambda_max / root, ctx.eps, False,
+                            f"min_rmse={cfg.min_rmse} needs noise {float(noise.norm()):.4g} = "
+                            f"{float(noise.norm()) / max(float(ctx.gradient.norm()), 1e-30):.3g}× the gradient norm; "
+                            f"budget max_rel_noise={cfg.max_rel_noise}", info)
+        return _Outcome(noise, rmse, jd / ctx.lambda_max / root, ctx.eps, True, "", info)
+
+    # -- fail closed ------------------------------------------------------------------------
+    def _apply_policy(self, flat: torch.Tensor, original: torch.Tensor, report: GuardReport, start: float) -> GuardOutput:
+        cfg = self.config
+        report.met = False
+        if cfg.on_unmet == "send":
+            report.reason += " (sent unguarded: on_unmet='send' acknowledged)"
+            report.noise_norm, report.rel_noise = 0.0, 0.0
+            report.seconds = time.perf_counter() - start
+            return GuardOutput(original.clone(), report)
+        if cfg.on_unmet == "max-noise":
+            noise = _budget_noise(flat, cfg)
+            report.noise_norm, report.rel_noise = float(noise.norm()), cfg.max_rel_noise
+            report.reason += " (sent with the full noise budget, isotropic; floor not verified)"
+            report.seconds = time.perf_counter() - start
+            return GuardOutput((flat + noise).view_as(original), report)
+        report.reason += " (update dropped)"
+        report.seconds = time.perf_counter() - start
+        return GuardOutput(None, report)
+
+    def _failed(self, gradient: torch.Tensor, batch: int, reason: str, op: JacobianOperator | None,
+                start: float) -> GuardOutput:
+        nan = torch.full((batch,), float("nan"))
+        report = GuardReport(rmse_before=torch.zeros(batch), rmse_after=nan, rmse_lb_after=nan, eps=nan, noise_norm=0.0,
+                             rel_noise=0.0, met=False, defense=self.config.defense, reason=reason,
+                             matvecs=op.applications if op is not None else 0, seconds=0.0,
+                             min_rmse=self.config.min_rmse)
+        finite = isinstance(gradient, torch.Tensor) and bool(torch.isfinite(gradient).all())
+        if not finite and self.config.on_unmet != "drop":
+            report.reason += " (gradient not finite: dropped whatever the policy)"
+            report.seconds = time.perf_counter() - start
+            return GuardOutput(None, report)
+        return self._apply_policy(gradient.reshape(-1) if finite else gradient, gradient, report, start)
+
+
+def _checked_gradient(gradient: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if not isinstance(gradient, torch.Tensor) or gradient.numel() != total:
+        raise GuardFailure(f"gradient must be a tensor of {total} entries (the trainable parameters)")
+    if not bool(torch.isfinite(gradient).all()):
+        raise GuardFailure("gradient contains NaN or Inf")
+    return gradient.detach().reshape(-1)
+
+
+def _budget_noise(flat: torch.Tensor, cfg: GuardConfig) -> torch.Tensor:
+    """Isotropic noise of norm max_rel_noise·‖g‖ — the most the budget allows, no measurement needed."""
+    z = torch.randn(flat.shape, generator=draw_generator(cfg.seed, flat.device), dtype=flat.dtype, device=flat.device)
+    return z * (cfg.max_rel_noise * float(flat.norm()) / float(z.norm()))
+
+
+def _zeros(op: JacobianOperator, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    zeros = torch.zeros(op.batch_size, dtype=flat.dtype, device=flat.device)
+    return zeros, zeros, torch.ones(op.batch_size, dtype=torch.bool, device=flat.device)
+
+
+def _summaries(info: dict) -> dict:
+    return {k: (float(v.min()) if isinstance(v, torch.Tensor) else v) for k, v in info.items()}

@@ -1,0 +1,65 @@
+"""Solvers on explicit matrices, against torch.linalg.eigh / solve / trace."""
+
+from __future__ import annotations
+
+import torch
+
+from flguard.risk.krylov import conjugate_gradient
+from flguard.risk.lanczos import lanczos
+from flguard.risk.trace import deflated_hutchinson, exact_trace
+
+
+def _jacobians(batch=3, dx=300, dtheta=500, decay=0.97, seed=0):
+    """Random J_i with a geometric singular-value decay, like a conv net's."""
+    gen = torch.Generator().manual_seed(seed)
+    left = torch.linalg.qr(torch.randn(batch, dx, dx, generator=gen, dtype=torch.float64))[0]
+    right = torch.linalg.qr(torch.randn(batch, dtheta, dx, generator=gen, dtype=torch.float64))[0]
+    singular = decay ** torch.arange(dx, dtype=torch.float64) * (1 + torch.arange(batch, dtype=torch.float64)).unsqueeze(1)
+    return left @ torch.diag_embed(singular) @ right.transpose(1, 2)
+
+
+def test_lanczos_both_ends_match_eigh_and_need_few_products():
+    jac = _jacobians()
+    kernel = jac @ jac.transpose(1, 2)
+    lam = torch.linalg.eigvalsh(kernel)
+    res = lanczos(lambda q: torch.einsum("bij,bj->bi", kernel, q), 3, 300, like=kernel, rtol=1e-3, ends="max")
+    assert torch.all((res.lambda_max - lam[:, -1]).abs() <= 1e-3 * lam[:, -1])
+    assert res.iterations < 40 and bool(res.converged.all())
+    both = lanczos(lambda q: torch.einsum("bij,bj->bi", kernel, q), 3, 300, like=kernel, rtol=1e-3, ends="both",
+                   return_vectors=True)
+    assert torch.all((both.lambda_min - lam[:, 0]).abs() <= 1e-3 * lam[:, -1])
+    top = both.ritz_vectors[:, -1]
+    residual = torch.einsum("bij,bj->bi", kernel, top) - both.lambda_max.unsqueeze(1) * top
+    assert torch.all(residual.norm(dim=1) <= 1e-3 * both.lambda_max)
+
+
+def test_lanczos_is_exact_after_n_steps_even_with_repeated_eigenvalues():
+    eigenvalues = torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0, 5.0], dtype=torch.float64)
+    basis = torch.linalg.qr(torch.randn(6, 6, dtype=torch.float64))[0]
+    kernel = (basis * eigenvalues) @ basis.T
+    res = lanczos(lambda q: q @ kernel, 1, 6, like=kernel, rtol=1e-12, ends="both")
+    torch.testing.assert_close(res.lambda_max, torch.tensor([5.0], dtype=torch.float64))
+    assert abs(float(res.lambda_min)) < 1e-10
+
+
+def test_cg_error_bound_gives_relative_accuracy():
+    jac = _jacobians(dx=120, dtheta=200)
+    kernel = jac @ jac.transpose(1, 2)
+    rhs = torch.randn(3, 120, dtype=torch.float64)
+    shift = torch.tensor([1e-2, 1e-3, 1e-1], dtype=torch.float64)
+    out = conjugate_gradient(lambda q: torch.einsum("bij,bj->bi", kernel, q), rhs, shift, rtol=1e-3)
+    exact = torch.linalg.solve(kernel + shift.view(-1, 1, 1) * torch.eye(120, dtype=torch.float64), rhs)
+    error = (out.solution - exact).norm(dim=1) / exact.norm(dim=1)
+    assert bool(out.converged.all()) and torch.all(error <= 1e-3)
+
+
+def test_exact_and_deflated_hutchinson_traces():
+    jac = _jacobians(dx=300, dtheta=500)
+    truth = jac.pow(2).sum(dim=(1, 2))
+    jt = lambda u: torch.einsum("bkd,bdp->bkp", u, jac)  # noqa: E731
+    torch.testing.assert_close(exact_trace(jt, 3, 300, like=jac), truth)
+    kernel = jac @ jac.transpose(1, 2)
+    res = lanczos(lambda q: torch.einsum("bij,bj->bi", kernel, q), 3, 300, like=kernel, rtol=1e-3, ends="both")
+    estimate, probes = deflated_hutchinson(jt, res.basis, res.ritz_values.sum(1))
+    assert probes > 0
+    torch.testing.assert_close(estimate, truth, rtol=1e-2, atol=0)

@@ -324,14 +324,11 @@ class MaliciousServer(Strategy):
 
     def _save_grid(self, server_round: int, node_id: int, spec: AttackSpec, images: torch.Tensor,
                    truth: TrueBatch | None) -> str:
-        from torchvision.utils import save_image
-
         rows = [self.to_pixels(images)]
         if truth is not None and truth.inputs.shape == images.shape:
             rows.insert(0, self.to_pixels(truth.inputs))
         path = self.out_dir / "images" / f"round-{server_round:04d}_node-{node_id}_{spec.label}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_image(torch.cat(rows).clamp(0, 1), path, nrow=images.shape[0], padding=2, pad_value=1.0)
+        save_grid(rows, path)
         return str(path.relative_to(self.out_dir))
 
     def _append(self, row: dict[str, Any]) -> None:
@@ -355,6 +352,24 @@ class MaliciousServer(Strategy):
         if name == "strategy":
             raise AttributeError(name)
         return getattr(self.strategy, name)
+
+
+def save_grid(rows: Sequence[torch.Tensor], path: str | Path, min_side: int = 96) -> Path:
+    """Save image rows (pixels in [0, 1], [N, C, H, W] each) as one PNG grid, one row each.
+
+    Small images (MNIST 28 px, LFW 25 px) are enlarged by an integer factor (nearest neighbour)
+    so that each is at least ``min_side`` pixels: the grid stays faithful but readable.
+    """
+    from torchvision.utils import save_image
+
+    images = torch.cat([r.detach().cpu().float() for r in rows]).clamp(0, 1)
+    factor = max(1, -(-min_side // max(images.shape[-2:])))
+    if factor > 1:
+        images = torch.nn.functional.interpolate(images, scale_factor=factor, mode="nearest")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_image(images, path, nrow=rows[0].shape[0], padding=2, pad_value=1.0)
+    return path
 
 
 def score_batch(truth: torch.Tensor, images: torch.Tensor, to_pixels: Callable[[torch.Tensor], torch.Tensor],

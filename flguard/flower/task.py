@@ -235,10 +235,11 @@ def handle_train(message: Message, context: Context, settings: TaskSettings, *,
     train_data, _ = load_partition(settings, partition_id, count)
     model = load_arrays(make_model(settings), message.content.array_records[ARRAYS_KEY])
     config = message.content.config_records.get(CONFIG_KEY) or {}
-    generator = batch_generator(settings, int(config.get(ROUND_KEY, 0)), partition_id)
+    server_round = int(config.get(ROUND_KEY, 0))
+    generator = batch_generator(settings, server_round, partition_id)
     update = local_sgd(model, train_data, lr=settings.lr, steps=settings.local_steps,
                        batch_size=settings.batch_size, generator=generator)
-    record_batch(context, message, update.inputs, update.labels, directory=truth_dir)
+    record_batch(context, server_round, update.inputs, update.labels, directory=truth_dir)
     return train_reply(message, model, update)
 
 

@@ -6,7 +6,7 @@ point of federated learning — so the channel must not exist in deployment.
 
 How it works (files, never messages):
 
-* Client side, ``record_batch(context, message, inputs, labels)`` is called by the train handler
+* Client side, ``record_batch(context, server_round, inputs, labels)`` is called by the train handler
   after local training. It writes ``<dir>/run-<run>/round-<r>/node-<node>.pt`` (inputs in model
   space, labels, partition id) — *only* when a directory is configured **and** the ClientApp is
   running inside Flower's simulation runtime (a Ray actor of the Simulation Engine). Otherwise it
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import Context, Message
+from flwr.app import Context
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def configured_directory(run_config: Mapping[str, Any] | None) -> Path | None:
     return resolve_path(str(value)) if value else None
 
 
-def record_batch(context: Context, message: Message, inputs: torch.Tensor, labels: torch.Tensor,
+def record_batch(context: Context, server_round: int, inputs: torch.Tensor, labels: torch.Tensor,
                  *, directory: str | os.PathLike[str] | None = None) -> Path | None:
     """Client side: leave this round's true batch for the simulated server; returns the file or None.
 
@@ -129,11 +129,10 @@ def record_batch(context: Context, message: Message, inputs: torch.Tensor, label
                                       "this ClientApp is not running inside a simulated SuperNode")
         log.warning("run config sets %r but this ClientApp is not simulated: no batch is recorded", TRUTH_DIR_KEY)
         return None
-    server_round = int(message.content["config"]["server-round"]) if "config" in message.content else 0
     path = truth_path(target, context.run_id, server_round, context.node_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"inputs": inputs.detach().cpu(), "labels": labels.detach().cpu(), "run_id": int(context.run_id),
-               "server_round": server_round, "node_id": int(context.node_id),
+               "server_round": int(server_round), "node_id": int(context.node_id),
                "partition_id": int(context.node_config.get("partition-id", -1))}
     handle, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     os.close(handle)

@@ -29,6 +29,7 @@ class ServerSettings:
     fraction_train: float = 1.0
     fraction_evaluate: float = 1.0
     min_nodes: int = 2
+    round_timeout: float = 3600.0
     malicious: bool = True
     attack_method: str = "gs"
     attack_iterations: int = 200
@@ -77,7 +78,7 @@ def run_server(grid: Grid, context: Context, overrides: Mapping[str, Any] | None
     strategy = build_strategy(settings, task_settings)
     model = task.make_model(task_settings)
     result = strategy.start(grid=grid, initial_arrays=task.to_arrays(model), num_rounds=settings.num_server_rounds,
-                            train_config=task_settings.train_config())
+                            timeout=settings.round_timeout, train_config=task_settings.train_config())
     if isinstance(strategy, MaliciousServer):
         summary = {"rounds": settings.num_server_rounds, "attack_rows": len(strategy.results),
                    "train_metrics": {r: dict(m) for r, m in result.train_metrics_clientapp.items()},

@@ -1,0 +1,139 @@
+"""The malicious-server wrapper in a real Flower simulation, and the pieces it rests on.
+
+The simulation test runs Flower's Simulation Engine in-process (Ray backend, 2 SuperNodes,
+2 rounds, LeNet on MNIST-5k, GS with a few iterations) and checks what lands on disk and what
+reaches aggregation. Ray is shut down afterwards, whatever happens.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import Context, RecordDict
+
+from flguard.flower import AttackSpec, TruthChannelRefused, TruthReader, delta_to_gradient, record_batch
+from flguard.flower import task
+from flguard.flower.truth import TRUTH_DIR_KEY, in_simulation_runtime
+
+SIMULATIONS = Path(__file__).resolve().parents[1] / "simulations"
+
+
+def _context(run_config: dict | None = None) -> Context:
+    return Context(run_id=7, node_id=11, node_config={"partition-id": 0, "num-partitions": 2},
+                   state=RecordDict(), run_config=run_config or {})
+
+
+def test_fedsgd_upload_decodes_to_the_batch_gradient() -> None:
+    """One local SGD step: (θ0 − θ1)/lr is the batch gradient the attacks invert."""
+    settings = task.TaskSettings(batch_size=3, lr=0.05, local_steps=1)
+    train, _ = task.load_partition(settings, 0, 2)
+    model = task.make_model(settings)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    update = task.local_sgd(model, train, lr=settings.lr, steps=1, batch_size=3,
+                            generator=task.batch_generator(settings, 1, 0))
+    decoded = delta_to_gradient(task.make_model(settings), before, model.state_dict(),
+                                dict(settings.train_config()))
+
+    reference = task.make_model(settings)
+    loss = torch.nn.functional.cross_entropy(reference(update.inputs), update.labels)
+    expected = torch.autograd.grad(loss, list(reference.parameters()))
+    assert decoded.batch_size == 3 and decoded.local_steps == 1
+    for got, want in zip(decoded.gradient, expected):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-3)
+
+
+def test_multi_step_upload_keeps_the_raw_update() -> None:
+    settings = task.TaskSettings(batch_size=2, lr=0.1, local_steps=3)
+    train, _ = task.load_partition(settings, 1, 2)
+    model = task.make_model(settings)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    update = task.local_sgd(model, train, lr=0.1, steps=3, batch_size=2, generator=torch.Generator().manual_seed(0))
+    decoded = delta_to_gradient(model, before, model.state_dict(), dict(settings.train_config()))
+    assert update.inputs.shape[0] == 6 and decoded.batch_size == 6 and decoded.local_steps == 3
+    for (name, _), raw, grad in zip(model.named_parameters(), decoded.update, decoded.gradient):
+        torch.testing.assert_close(raw, model.state_dict()[name] - before[name])
+        torch.testing.assert_close(grad, -raw / 0.3)
+
+
+def test_truth_channel_refuses_outside_the_simulation_runtime(tmp_path: Path) -> None:
+    """No Ray actor here: an explicit directory is refused, a run-config one is ignored."""
+    assert not in_simulation_runtime()
+    x, y = torch.zeros(1, 1, 28, 28), torch.zeros(1, dtype=torch.long)
+    with pytest.raises(TruthChannelRefused):
+        record_batch(_context(), 1, x, y, directory=tmp_path)
+    assert record_batch(_context({TRUTH_DIR_KEY: str(tmp_path)}), 1, x, y) is None
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(TruthChannelRefused):
+        TruthReader(tmp_path, grid=object())  # only Flower's simulation grid may read it
+
+
+def test_attack_spec_validates() -> None:
+    with pytest.raises(ValueError):
+        AttackSpec(labels="guess")
+    with pytest.raises(ValueError):
+        AttackSpec(restarts=0)
+
+
+@pytest.fixture
+def simulation_apps(monkeypatch: pytest.MonkeyPatch):
+    """The app factories of simulations/ (importable by the Ray workers through sys.path)."""
+    monkeypatch.syspath_prepend(str(SIMULATIONS))
+    from flguard_sim.client_app import make_client_app
+    from flguard_sim.server_app import make_server_app
+
+    yield make_client_app, make_server_app
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    for name in [m for m in sys.modules if m.startswith("flguard_sim")]:
+        del sys.modules[name]
+
+
+def test_malicious_server_in_a_ray_simulation(tmp_path: Path, simulation_apps) -> None:
+    """2 clients × 2 rounds: one scored row per attacked client per round, nothing extra aggregated."""
+    from flwr.simulation import run_simulation
+
+    make_client_app, make_server_app = simulation_apps
+    out_dir, truth_dir = tmp_path / "results", tmp_path / "truth"
+    overrides = {"num-server-rounds": 2, "batch-size": 1, "local-steps": 1, "lr": 0.1, "init": "uniform",
+                 "attack-method": "gs", "attack-iterations": 8, "attack-restarts": 1, "round-timeout": 600.0,
+                 "out-dir": str(out_dir), TRUTH_DIR_KEY: str(truth_dir)}
+    results = []
+    try:
+        run_simulation(server_app=make_server_app(overrides, on_result=results.append),
+                       client_app=make_client_app(overrides), num_supernodes=2,
+                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                       "init_args": {"num_cpus": 2}})
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+
+    rows = [json.loads(line) for line in (out_dir / "attacks.jsonl").read_text().splitlines()]
+    keys = [(row["round"], row["node_id"]) for row in rows]
+    assert len(rows) == 4 and len(set(keys)) == 4, keys
+    assert {row["round"] for row in rows} == {1, 2} and len({row["node_id"] for row in rows}) == 2
+    for row in rows:
+        assert row["status"] == "ok", row["error"]
+        assert row["scored"] and row["partition_id"] in (0, 1)
+        assert math.isfinite(row["psnr"]) and math.isfinite(row["ssim"]) and row["mse"] >= 0
+        assert (out_dir / row["image"]).is_file()
+    with open(out_dir / "attacks.csv", newline="") as handle:
+        assert len(list(csv.DictReader(handle))) == 4
+
+    # The true batches travelled through files only, and every file was consumed by the server.
+    assert not list(truth_dir.rglob("*.pt"))
+    # What was aggregated is exactly the model and the declared metrics: no truth, no extras.
+    (result,) = results
+    assert list(result.arrays.keys()) == list(task.make_model(task.TaskSettings()).state_dict().keys())
+    for metrics in result.train_metrics_clientapp.values():
+        assert set(metrics.keys()) <= set(task.TRAIN_METRIC_KEYS)
+    assert set(result.train_metrics_clientapp) == {1, 2} and set(result.evaluate_metrics_clientapp) == {1, 2}

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
@@ -41,7 +40,7 @@ from flwr.serverapp.strategy.result import Result
 from torch import nn
 
 from flguard.flower.task import BATCH_SIZE_KEY, LOCAL_STEPS_KEY, LR_KEY
-from flguard.flower.truth import TrueBatch, TruthReader
+from flguard.flower.truth import TrueBatch, TruthChannelRefused, TruthReader
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +180,7 @@ class MaliciousServer(Strategy):
         self.results: list[dict[str, Any]] = []
         self._sent: dict[int, dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]] = {}
         self._reader: TruthReader | None = None
+        self._truth_checked = False
         self._pending: list[Future[None]] = []
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -198,8 +198,12 @@ class MaliciousServer(Strategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """Delegate, and remember θ0 and the config sent to each node (the attacker's knowledge)."""
-        if self.truth_dir is not None and self._reader is None:
-            self._reader = TruthReader(self.truth_dir, grid)  # refuses outside the simulation runtime
+        if self.truth_dir is not None and not self._truth_checked:
+            self._truth_checked = True
+            try:
+                self._reader = TruthReader(self.truth_dir, grid)
+            except TruthChannelRefused as refusal:  # deployment: attack anyway, just without scores
+                log.warning("true-batch channel off: %s", refusal)
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         states: dict[int, dict[str, torch.Tensor]] = {}
         sent: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
@@ -400,10 +404,3 @@ def score_batch(truth: torch.Tensor, images: torch.Tensor, to_pixels: Callable[[
     if true_labels is not None and labels is not None and labels.numel() == true_labels.numel():
         out["label_accuracy"] = float((labels.cpu().view(-1)[permutation] == true_labels.view(-1)).double().mean())
     return out
-
-
-def summarize(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """Mean PSNR/SSIM/MSE over the scored rows (for logs and reports)."""
-    scored = [r for r in rows if r.get("scored")]
-    return {key: float(np.mean([r[key] for r in scored if r.get(key) is not None] or [float("nan")]))
-            for key in ("psnr", "ssim", "mse")}

@@ -98,7 +98,7 @@ def dlg(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[
 
     for _ in range(steps):
         loss = optimizer.step(closure)
-        value = float(loss)
+        value = float(loss.detach())
         history.append(value)
         if not torch.isfinite(loss):
             break  # diverged: keep the last iterate and let the scoring below judge it

@@ -18,6 +18,7 @@ leaves the solution of a consistent one (and the minimum-norm choice within it) 
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
@@ -77,7 +78,8 @@ def _scaled(u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     rows = u.indices()[0]
     norms = torch.zeros(u.shape[0], dtype=u.dtype, device=u.device).index_add_(0, rows, u.values() ** 2).sqrt()
     norms = torch.where(norms > 0, norms, torch.ones_like(norms))
-    scaled = torch.sparse_coo_tensor(u.indices(), u.values() / norms[rows], u.shape, is_coalesced=True)
+    scaled = torch.sparse_coo_tensor(u.indices(), u.values() / norms[rows], u.shape,
+                                     is_coalesced=True, check_invariants=False)
     return scaled, v / norms
 
 
@@ -102,7 +104,9 @@ def min_norm_lstsq(u: torch.Tensor, v: torch.Tensor, rtol: float | None = None) 
     √rtol·σ_max, like a pseudo-inverse cut-off.
     """
     u, v = _scaled(u, v)
-    csr, csr_t = u.to_sparse_csr(), u.t().coalesce().to_sparse_csr()
+    with warnings.catch_warnings():  # "sparse CSR support is in beta"
+        warnings.simplefilter("ignore", UserWarning)
+        csr, csr_t = u.to_sparse_csr(), u.t().coalesce().to_sparse_csr()
     m, n = u.shape
     size = min(m, n)
     rtol = rtol if rtol is not None else 100 * size * torch.finfo(u.dtype).eps

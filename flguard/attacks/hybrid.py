@@ -53,7 +53,8 @@ def scaled_iterations(iterations: int | None, layer_iterations: Sequence[int]) -
     return [max(1, round(n * ratio)) for n in layer_iterations]
 
 
-def subnetwork_loss(stages: Sequence[Stage], x: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn | None) -> torch.Tensor:
+def subnetwork_loss(stages: Sequence[Stage], x: torch.Tensor, labels: torch.Tensor,
+                    loss_fn: LossFn | None) -> torch.Tensor:
     """L⁽ⁱ⁾: the loss of the stages given, fed ``x`` (the first stage's input)."""
     h = x
     for stage in stages:

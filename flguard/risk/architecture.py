@@ -174,14 +174,15 @@ def conv_system(conv: nn.Conv2d, in_shape: tuple[int, ...], weight: torch.Tensor
     cols = index.reshape(1, positions, k).expand(out_ch, positions, k)
     fwd_rows = torch.arange(out_ch * positions, device=weight.device).reshape(out_ch, positions, 1).expand_as(cols)
     fwd_vals = weight.reshape(out_ch, 1, k).expand_as(cols)
-    grad_rows = (out_ch * positions + torch.arange(out_ch * k, device=weight.device)).reshape(out_ch, 1, k).expand_as(cols)
+    grad_rows = out_ch * positions + torch.arange(out_ch * k, device=weight.device)
+    grad_rows = grad_rows.reshape(out_ch, 1, k).expand_as(cols)
     grad_vals = delta.reshape(out_ch, positions, 1).expand_as(cols)
     keep = (cols >= 0).reshape(-1)
     rows = torch.cat([fwd_rows.reshape(-1)[keep], grad_rows.reshape(-1)[keep]])
     columns = torch.cat([cols.reshape(-1)[keep], cols.reshape(-1)[keep]])
     values = torch.cat([fwd_vals.reshape(-1)[keep], grad_vals.reshape(-1)[keep]])
     shape = (out_ch * positions + weight.numel(), math.prod(in_shape))
-    return torch.sparse_coo_tensor(torch.stack([rows, columns]), values, shape).coalesce()
+    return torch.sparse_coo_tensor(torch.stack([rows, columns]), values, shape, check_invariants=False).coalesce()
 
 
 def visible_inputs(conv: nn.Conv2d, in_shape: tuple[int, ...]) -> int:

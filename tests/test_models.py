@@ -8,6 +8,7 @@ from torch import nn
 
 from flguard.models import MODEL_NAMES, create
 
+
 # Chen & Campbell Table 1: (kernel, channels, stride, padding) per conv layer, FC input width.
 TABLE_1 = {
     "cnn2_v1": ([(3, 6, 1, 0)], 5400),
@@ -20,12 +21,14 @@ TABLE_1 = {
     "cnn4_v2": ([(5, 16, 1, 0), (5, 6, 2, 0), (5, 32, 1, 2)], 4608),
 }
 
+
 @pytest.mark.parametrize("name", MODEL_NAMES)
 @pytest.mark.parametrize("geometry", [(1, 28), (1, 25), (3, 32)])
 def test_every_model_runs_on_every_dataset_geometry(name, geometry):
     channels, size = geometry
     model = create(name, in_channels=channels, image_size=size, num_classes=7).eval()
     assert model(torch.rand(2, channels, size, size)).shape == (2, 7)
+
 
 @pytest.mark.parametrize("name", sorted(TABLE_1))
 def test_cnn_variants_match_table_1(name):
@@ -45,6 +48,7 @@ def test_cnn_variants_match_table_1(name):
     expected += width * 10 + 10
     assert sum(p.numel() for p in model.parameters()) == expected
 
+
 def test_lenet_is_the_i2f_lenet():
     model = create("lenet", in_channels=3, image_size=32)
     convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
@@ -53,8 +57,10 @@ def test_lenet_is_the_i2f_lenet():
     fc = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert fc[0].in_features == 12 * 8 * 8  # strides 2, 2, 1, 1 with padding 2 on 32×32
 
+
 def _weights(model):
     return torch.cat([m.weight.reshape(-1) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))])
+
 
 def test_uniform_and_normal_inits():
     torch.manual_seed(0)
@@ -65,6 +71,7 @@ def test_uniform_and_normal_inits():
     normal = _weights(create("cnn2_v1", init="normal"))
     assert abs(normal.var().item() - 0.5) < 0.02
 
+
 def test_kaiming_and_xavier_variances():
     torch.manual_seed(0)
     fc = [m for m in create("mlp", init="kaiming").modules() if isinstance(m, nn.Linear)][0]
@@ -73,6 +80,7 @@ def test_kaiming_and_xavier_variances():
     fc = [m for m in create("mlp", init="xavier").modules() if isinstance(m, nn.Linear)][0]
     expected = 2 / (fc.in_features + fc.out_features)
     assert abs(fc.weight.var().item() - expected) < 0.05 * expected
+
 
 def test_clear_errors():
     with pytest.raises(ValueError, match="image_size=4 is too small"):
@@ -83,6 +91,7 @@ def test_clear_errors():
         create("lenet", init="he")
     with pytest.raises(ValueError, match="in_channels=0"):
         create("lenet", in_channels=0)
+
 
 def test_default_init_leaves_pytorch_defaults():
     torch.manual_seed(0)

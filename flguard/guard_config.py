@@ -32,7 +32,6 @@ class GuardConfig(StrictModel):
     subspace_size: int = Field(8, ge=1, description="eigen: weak directions mixed per sample")
     krylov_steps: int = Field(32, ge=4, description="eigen: Lanczos steps used to find weak directions")
     rtol: float = Field(1e-3, gt=0.0, lt=0.1, description="solver tolerance")
-    max_rescales: int = Field(3, ge=0, description="re-verifications after scaling the realised noise")
     sigma: float = Field(1e-2, gt=0.0, description="fixed-gaussian: noise standard deviation")
     keep_ratio: float = Field(0.1, gt=0.0, le=1.0, description="pruning: share of largest-magnitude entries kept")
     clip_norm: float = Field(1.0, gt=0.0, description="localdp: clipping norm (sensitivity)")

@@ -5,8 +5,9 @@ Noise along the right singular vector v_j = J_iᵀu_j/√λ_j moves sample i's b
 sample we take the ``subspace_size`` Ritz directions of K_i with the largest gain, map them to
 parameter space, and mix them with fresh Gaussian coefficients — random *within* the subspace, so
 the server can neither predict nor cancel the noise. Each sample's mixture is normalised to unit
-predicted I2F on its own sample, the mixtures are summed, and the guard scales the sum until
-every sample meets the floor jointly (cross-terms are re-checked on the realised noise).
+*estimated* I2F on its own sample (√Σ a_j²g_j² from the Ritz gains), the mixtures are summed, and
+the guard measures the sum's exact I2F for every sample (cross-terms included) and scales it
+until all meet the floor jointly.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from flguard.defenses.base import DefenseContext, Direction
-from flguard.risk.assess import i2f_norms
 
 
 def regularised_gain(eigenvalues: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
@@ -35,9 +35,9 @@ def eigen_direction(ctx: DefenseContext) -> Direction:
     coefficients = torch.randn(op.batch_size, k, generator=ctx.generator, dtype=directions.dtype,
                                device=directions.device)
     per_sample = torch.einsum("bk,bkp->bp", coefficients, directions)
-    own, _, converged = i2f_norms(op, per_sample, ctx.eps, cfg.rtol)
-    if not bool(converged.all()) or not bool((own > 0).all()):
+    estimated = (coefficients * best.values).pow(2).sum(1).sqrt()
+    if not bool((estimated > 0).all()):
         raise RuntimeError("eigen defense: a sample's weak directions have no measurable effect on its recovery")
-    combined = (per_sample / own.unsqueeze(1)).sum(0)
+    combined = (per_sample / estimated.unsqueeze(1)).sum(0)
     return Direction(combined, {"kind": "eigen", "subspace": k, "best_gain": best.values[:, 0],
                                 "mean_gain": best.values.mean(1)})

@@ -1,0 +1,70 @@
+"""P3: guard time / local training time, FedSGD (one step of B=32) and one local epoch of FedAvg.
+
+Training a step = forward, backward and an SGD update of LeNet on B samples. Guarding a step =
+``Guard.protect`` on that batch's gradient (measurement, perturbation, verification). The FedAvg
+epoch runs every step of a 4-client partition of MNIST-5k (1,250 samples); guarding is timed on
+``--guarded-steps`` of its steps and scaled to the epoch (the per-step cost is what varies).
+
+    python benchmarks/bench_guard_overhead.py [--batch 32] [--guarded-steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from _common import model_and_batch
+from flguard import Guard, GuardConfig
+
+
+def step_gradient(model, x, y) -> torch.Tensor:
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)])
+
+
+def train_step(model, x, y, lr: float = 0.05) -> None:
+    g = step_gradient(model, x, y)
+    with torch.no_grad():
+        offset = 0
+        for p in model.parameters():
+            p -= lr * g[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--tau", type=float, default=0.1)
+    parser.add_argument("--guarded-steps", type=int, default=3)
+    parser.add_argument("--epoch-samples", type=int, default=1250)
+    args = parser.parse_args()
+    model, x, y, _ = model_and_batch("lenet", "mnist5k", args.epoch_samples, init="default")
+    batches = list(zip(x.split(args.batch), y.split(args.batch)))
+    train_step(model, *batches[0])  # warm-up
+    start = time.perf_counter()
+    for bx, by in batches:
+        train_step(model, bx, by)
+    epoch_train = time.perf_counter() - start
+    step_train = epoch_train / len(batches)
+    print(f"P3: LeNet (default init), MNIST-5k, B={args.batch}, τ={args.tau}; training: {step_train * 1e3:.1f} ms/step, "
+          f"{epoch_train:.2f} s/epoch ({len(batches)} steps)")
+    print(f"{'defense':<10} {'guard s/step':>13} {'FedSGD ratio':>13} {'epoch guard s':>14} {'FedAvg ratio':>13} {'met':>5}")
+    for defense in ("gaussian", "eigen"):
+        guard = Guard(GuardConfig(defense=defense, min_rmse=args.tau, seed=0, max_rel_noise=1e9))
+        times, met = [], []
+        for bx, by in batches[:args.guarded_steps]:
+            g = step_gradient(model, bx, by)
+            start = time.perf_counter()
+            out = guard.protect(model, bx, by, g)
+            times.append(time.perf_counter() - start)
+            met.append(out.report.met)
+        per_step = sum(times) / len(times)
+        print(f"{defense:<10} {per_step:>13.2f} {per_step / step_train:>13.0f} {per_step * len(batches):>14.1f} "
+              f"{per_step * len(batches) / epoch_train:>13.0f} {sum(met)}/{len(met)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -122,8 +122,9 @@ def assess(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, loss_fn: LossF
             report.jacobian_fro2 = exact_trace(op.jt, op.batch_size, op.dx, like=op.x)
         else:
             basis_trace = k_result.ritz_values.sum(dim=1)
-            report.jacobian_fro2, probes = deflated_hutchinson(op.jt, k_result.basis, basis_trace, seed=seed + 2)
-            report.details["hutchinson_probes"] = probes
+            report.jacobian_fro2, probes, stderr = deflated_hutchinson(op.jt, k_result.basis, basis_trace,
+                                                                       seed=seed + 2)
+            report.details.update(hutchinson_probes=probes, jacobian_fro2_stderr=stderr)
     if delta is not None:
         _i2f(op, report, wanted, delta.to(op.x), eps, rtol, converged)
     if "lambda_max" not in wanted:

@@ -27,12 +27,14 @@ def exact_trace(jt: Transpose, batch: int, dim: int, *, like: torch.Tensor, chun
 
 
 def deflated_hutchinson(jt: Transpose, basis: torch.Tensor, basis_trace: torch.Tensor, *, rtol: float = 3e-3,
-                        probes: int = 64, max_probes: int = 512, seed: int = 0) -> tuple[torch.Tensor, int]:
+                        probes: int = 64, max_probes: int = 512, seed: int = 0
+                        ) -> tuple[torch.Tensor, int, torch.Tensor]:
     """tr(K_i) ≈ tr(QᵀKQ) + mean_z ‖J_iᵀ P z‖², adding probes until the standard error of the
-    estimate is at most ``rtol`` of it (or ``max_probes``). Returns the trace [B] and probes used."""
+    estimate is at most ``rtol`` of it (or ``max_probes``). Returns the trace [B], the probes used
+    and the standard error [B] (callers flag samples whose error bar misses the target)."""
     batch, rank, dim = basis.shape
     if rank >= dim:
-        return basis_trace, 0
+        return basis_trace, 0, torch.zeros_like(basis_trace)
     generator = torch.Generator(device=basis.device).manual_seed(seed)
     samples: list[torch.Tensor] = []
     used = 0
@@ -46,4 +48,4 @@ def deflated_hutchinson(jt: Transpose, basis: torch.Tensor, basis_trace: torch.T
         stderr = values.std(dim=1) / values.shape[1] ** 0.5
         if bool((stderr <= rtol * estimate).all()):
             break
-    return estimate, used
+    return estimate, used, stderr

@@ -44,6 +44,15 @@ class Guard:
 
     def __init__(self, config: GuardConfig | None = None) -> None:
         self.config = config if config is not None else GuardConfig()
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """One stream per device for the guard's lifetime: successive updates get fresh noise
+        (a repeated draw across steps or rounds would let the server difference it away), and a
+        configured seed makes the whole sequence reproducible."""
+        if device not in self._generators:
+            self._generators[device] = draw_generator(self.config.seed, device)
+        return self._generators[device]
 
     def protect(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, gradient: torch.Tensor,
                 loss_fn: LossFn | None = None) -> GuardOutput:
@@ -71,7 +80,7 @@ class Guard:
     # -- measuring and perturbing -----------------------------------------------------------
     def _perturb(self, op: JacobianOperator, flat: torch.Tensor) -> _Outcome:
         cfg = self.config
-        generator = draw_generator(cfg.seed, flat.device)
+        generator = self._generator(flat.device)
         eigen = cfg.defense == "eigen"
         lanczos_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=flat.device))
         spectrum = lanczos(lambda q: op.kmv(q.unsqueeze(1)).squeeze(1), op.batch_size, op.dx, like=op.x,
@@ -136,7 +145,7 @@ class Guard:
             report.seconds = time.perf_counter() - start
             return GuardOutput(original.clone(), report)
         if cfg.on_unmet == "max-noise":
-            noise = _budget_noise(flat, cfg)
+            noise = _budget_noise(flat, cfg, self._generator(flat.device))
             report.noise_norm, report.rel_noise = float(noise.norm()), cfg.max_rel_noise
             report.reason += " (sent with the full noise budget, isotropic; floor not verified)"
             report.seconds = time.perf_counter() - start
@@ -169,9 +178,9 @@ def _checked_gradient(gradient: torch.Tensor, model: nn.Module) -> torch.Tensor:
     return gradient.detach().reshape(-1)
 
 
-def _budget_noise(flat: torch.Tensor, cfg: GuardConfig) -> torch.Tensor:
+def _budget_noise(flat: torch.Tensor, cfg: GuardConfig, generator: torch.Generator) -> torch.Tensor:
     """Isotropic noise of norm max_rel_noise·‖g‖ — the most the budget allows, no measurement needed."""
-    z = torch.randn(flat.shape, generator=draw_generator(cfg.seed, flat.device), dtype=flat.dtype, device=flat.device)
+    z = torch.randn(flat.shape, generator=generator, dtype=flat.dtype, device=flat.device)
     return z * (cfg.max_rel_noise * float(flat.norm()) / float(z.norm()))
 
 

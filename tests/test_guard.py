@@ -72,6 +72,10 @@ def test_seeds_reproduce_and_os_entropy_differs():
     a = Guard(GuardConfig(defense="gaussian")).protect(model, x, y, g).gradient
     b = Guard(GuardConfig(defense="gaussian")).protect(model, x, y, g).gradient
     assert not torch.allclose(a, b)
+    # one guard, two updates: a seeded guard still draws fresh noise for every update
+    guard = Guard(GuardConfig(defense="gaussian", seed=7))
+    first_step, second_step = (guard.protect(model, x, y, g).gradient - g for _ in range(2))
+    assert not torch.allclose(first_step / first_step.norm(), second_step / second_step.norm())
 
 
 def test_nan_gradient_is_dropped_under_every_policy():

@@ -131,3 +131,14 @@ def test_errors_name_the_problem(lfw_problem):
         reconstruct(model, gradient, pixels.shape[1:], labels=[0, 1])
     assert {"dlg", "gs"} <= set(methods())
     assert hyperparameters_of("gs")["lr"] == 0.1 and hyperparameters_of("dlg")["max_iter"] == 20
+
+
+@pytest.mark.parametrize("method", ["dlg", "gs"])
+def test_float64_models_are_attacked_in_float64(method):
+    model = create("lenet", in_channels=1, image_size=12, init="uniform").double()
+    x = torch.rand(1, 1, 12, 12, dtype=torch.float64)
+    y = torch.tensor([3])
+    params = list(model.parameters())
+    g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)])
+    rec = reconstruct(model, g, (1, 12, 12), method=method, labels=y, iterations=2, seed=0)
+    assert rec.images.dtype == torch.float64 and rec.images.shape == (1, 1, 12, 12)

@@ -62,7 +62,7 @@ def dlg(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[
     if labels is None and not joint_labels:
         raise ValueError("dlg needs labels (or joint_labels=True)")
     matching = MATCHING_DISTANCES[distance]
-    space = InputSpace(input_shape, mean, std, device=device)
+    space = InputSpace(input_shape, mean, std, device=device, dtype=target[0].dtype)
     observer = make_observer(model, loss_fn, batch_size, local_steps=local_steps, local_lr=local_lr,
                              local_batch_size=local_batch_size, local_batches=local_batches, mode=observer_mode)
 

@@ -69,7 +69,7 @@ def gs(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[i
     if tv < 0 or lr <= 0:
         raise ValueError(f"tv={tv} must be >= 0 and lr={lr} > 0")
     matching = MATCHING_DISTANCES[distance]
-    space = InputSpace(input_shape, mean, std, device=device)
+    space = InputSpace(input_shape, mean, std, device=device, dtype=target[0].dtype)
     observer = make_observer(model, loss_fn, batch_size, local_steps=local_steps, local_lr=local_lr,
                              local_batch_size=local_batch_size, local_batches=local_batches, mode=observer_mode)
     y = labels.to(device).unsqueeze(0).expand(restarts, *labels.shape)

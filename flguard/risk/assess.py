@@ -27,6 +27,9 @@ DEFAULT_EPS_RELATIVE = 1e-2
 #: it, deflated Hutchinson. Measured on LeNet/MNIST (dx = 784): exact took less time than the 256
 #: probes Hutchinson needed for ~0.3% error, because blocks of unit vectors batch well.
 EXACT_TRACE_MAX_DIM = 1024
+#: Target standard error of the Hutchinson trace, relative (≈ 3σ ≤ 1%); a sample that misses it is
+#: reported as not converged.
+TRACE_RTOL = 3e-3
 
 _NEEDS_K = {"lambda_max", "lambda_min", "lavp_fusion", "i2f_lb", "rmse_i2f_lb", "jacobian_fro2"}
 _NEEDS_COS = {"lavp_cos_max", "lavp_cos_min", "lavp_fusion"}
@@ -123,7 +126,8 @@ def assess(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, loss_fn: LossF
         else:
             basis_trace = k_result.ritz_values.sum(dim=1)
             report.jacobian_fro2, probes, stderr = deflated_hutchinson(op.jt, k_result.basis, basis_trace,
-                                                                       seed=seed + 2)
+                                                                       rtol=TRACE_RTOL, seed=seed + 2)
+            converged &= stderr <= TRACE_RTOL * report.jacobian_fro2
             report.details.update(hutchinson_probes=probes, jacobian_fro2_stderr=stderr)
     if delta is not None:
         _i2f(op, report, wanted, delta.to(op.x), eps, rtol, converged)

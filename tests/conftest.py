@@ -14,3 +14,12 @@ import torch  # noqa: E402
 def _seed_torch():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Double-backward on tiny nets is dominated by thread synchronisation on a busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

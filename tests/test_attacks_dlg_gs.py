@@ -14,13 +14,7 @@ from flguard.attacks import hyperparameters_of, methods, metrics, reconstruct
 from flguard.models import create
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Double-backward on a tiny net is dominated by thread synchronisation on a busy 2-core box.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _problem(dataset_name: str, index: int, num_classes: int):

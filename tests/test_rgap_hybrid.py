@@ -14,13 +14,7 @@ from flguard.data import load
 from flguard.models import zoo
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny kernels in a long Adam loop: OpenMP spinning on a shared 2-core box costs ~10x.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,7 @@ from flguard.attacks.unroll import UnrolledObserver, simulate_update, step_batch
 from flguard.models import create
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_step_batches_cycle_through_the_data():

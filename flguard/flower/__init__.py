@@ -1,10 +1,14 @@
-"""Flower integration: the malicious-server strategy wrapper, the shared FL task, the truth channel.
+"""Flower integration: the guard's client mod, the malicious-server strategy wrapper, the shared FL
+task, the truth channel.
+
+- ``guard_mod(GuardConfig(...))`` + ``guard_step(...)``: only guarded train updates leave the client.
 
 - ``MaliciousServer`` wraps any Flower 1.41 Message-API strategy and attacks the uploads it sees.
 - ``flguard.flower.task``: model, client partitions, local SGD and record helpers the apps share.
 - ``flguard.flower.truth``: the simulation-only channel giving the server the true batches to score.
 """
 
+from flguard.flower.guard_mod import GuardDropped, guard_mod, guard_step, round_metrics
 from flguard.flower.malicious import (
     AttackSpec,
     ClientUpdate,
@@ -17,6 +21,10 @@ from flguard.flower.malicious import (
 from flguard.flower.truth import TRUTH_DIR_KEY, TruthChannelRefused, TruthReader, in_simulation_runtime, record_batch
 
 __all__ = [
+    "guard_mod",
+    "guard_step",
+    "GuardDropped",
+    "round_metrics",
     "AttackSpec",
     "ClientUpdate",
     "MaliciousServer",

@@ -24,6 +24,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from torch import nn
 
 from flguard.data import ImageDataset, load, partition
+from flguard.flower.guard_mod import guard_step
 from flguard.flower.truth import record_batch
 from flguard.models import create
 
@@ -173,7 +174,7 @@ def local_sgd(model: nn.Module, data: ImageDataset, *, lr: float, steps: int, ba
         index = order[start:start + size]
         x, y = data.normalize(data.images[index]), data.labels[index]
         loss = nn.functional.cross_entropy(model(x), y)
-        grads = torch.autograd.grad(loss, params)
+        grads = guard_step(model, x, y, torch.autograd.grad(loss, params))  # identity without guard_mod
         with torch.no_grad():
             for p, g in zip(params, grads):
                 p.sub_(lr * g)

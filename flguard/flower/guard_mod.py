@@ -1,0 +1,133 @@
+"""The guard as a Flower client mod: only guarded updates leave the client.
+
+Adoption is two edits (see docs/guard.md):
+
+    app = ClientApp(mods=[guard_mod(GuardConfig(defense="eigen", min_rmse=0.05))])
+    ...
+    grads = guard_step(model, x, y, grads)      # in the train handler, before the SGD update
+
+How it fits together: while a *train* message is handled, the mod opens a ``GuardSession`` in a
+context variable; ``guard_step`` (called by the handler once per local step, with the batch the
+gradient came from) runs ``Guard.protect`` and returns the perturbed gradient, so multi-step local
+training is guarded per step and FedSGD (one step) is exact. After the handler returns, the mod
+adds the guard's numeric metrics (fixed keys, every round) to the reply's MetricRecord, with the
+round's worst sample over its steps. A dropped step, a handler that never called ``guard_step``,
+or a reply that is not one ArrayRecord + one MetricRecord becomes a Flower *error* reply that says
+why — never an unguarded update. Evaluate and query messages pass through untouched.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from flwr.app import Context, Error, Message, MessageType, MetricRecord
+from flwr.clientapp.typing import ClientAppCallable, Mod
+from torch import nn
+
+from flguard.guard import Guard
+from flguard.guard_config import GuardConfig
+from flguard.guard_report import METRIC_KEYS, GuardReport
+
+#: Error code of a reply whose update the guard withheld (Flower's MOD_FAILED_PRECONDITION).
+GUARD_ERROR_CODE = 6
+
+
+class GuardDropped(RuntimeError):
+    """A local step's update could not be guarded; the round's reply must not carry it."""
+
+    def __init__(self, report: GuardReport) -> None:
+        super().__init__(report.reason)
+        self.report = report
+
+
+@dataclass
+class GuardSession:
+    """The guard and what it reported during one train message."""
+
+    guard: Guard
+    reports: list[GuardReport] = field(default_factory=list)
+
+
+_ACTIVE: contextvars.ContextVar[GuardSession | None] = contextvars.ContextVar("flguard_guard_session", default=None)
+
+
+def active_session() -> GuardSession | None:
+    """The session of the train message being handled under ``guard_mod``, if any."""
+    return _ACTIVE.get()
+
+
+def guard_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, gradients: Sequence[torch.Tensor],
+               loss_fn=None) -> list[torch.Tensor]:
+    """Guard one local step: per-parameter gradients of the batch ``(x, y)`` → perturbed ones.
+
+    Outside ``guard_mod`` (no active session) the gradients pass through unchanged, so the same
+    training code serves unguarded baselines. Raises ``GuardDropped`` when the guard withholds
+    the update.
+    """
+    session = _ACTIVE.get()
+    if session is None:
+        return list(gradients)
+    flat = torch.cat([g.reshape(-1) for g in gradients])
+    out = session.guard.protect(model, x, y, flat, loss_fn=loss_fn)
+    session.reports.append(out.report)
+    if out.gradient is None:
+        raise GuardDropped(out.report)
+    return [chunk.view_as(g) for chunk, g in zip(out.gradient.split([g.numel() for g in gradients]), gradients)]
+
+
+def round_metrics(reports: Sequence[GuardReport]) -> dict[str, float]:
+    """One round's guard metrics: the worst sample over all guarded steps (fixed METRIC_KEYS)."""
+    per_step = [r.metrics() for r in reports]
+    after = torch.cat([r.rmse_after for r in reports])
+    after = after[torch.isfinite(after)]
+    return {
+        "guard_met": min(m["guard_met"] for m in per_step),
+        "guard_dropped": 0.0,
+        "guard_min_rmse_after": min(m["guard_min_rmse_after"] for m in per_step),
+        "guard_median_rmse_after": float(after.median()) if len(after) else -1.0,
+        "guard_min_rmse_lb_after": min(m["guard_min_rmse_lb_after"] for m in per_step),
+        "guard_noise_norm": max(m["guard_noise_norm"] for m in per_step),
+        "guard_rel_noise": max(m["guard_rel_noise"] for m in per_step),
+        "guard_matvecs": sum(m["guard_matvecs"] for m in per_step),
+        "guard_seconds": sum(m["guard_seconds"] for m in per_step),
+    }
+
+
+def _error_reply(message: Message, reason: str) -> Message:
+    return Message(Error(code=GUARD_ERROR_CODE, reason=f"flguard: update withheld: {reason}"), reply_to=message)
+
+
+def guard_mod(config: GuardConfig | None = None) -> Mod:
+    """A Flower mod that guards train replies with one ``Guard`` (one noise stream) per ClientApp."""
+    guard = Guard(config)
+
+    def mod(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        if message.metadata.message_type.split(".")[0] != MessageType.TRAIN:
+            return call_next(message, context)
+        session = GuardSession(guard)
+        token = _ACTIVE.set(session)
+        try:
+            reply = call_next(message, context)
+        except GuardDropped as dropped:
+            return _error_reply(message, dropped.report.reason)
+        finally:
+            _ACTIVE.reset(token)
+        if reply.has_error():
+            return reply
+        if not session.reports:
+            return _error_reply(message, "the train handler never called flguard.flower.guard_step, "
+                                         "so the update was not guarded")
+        metric_records = list(reply.content.metric_records.items())
+        if len(metric_records) != 1 or len(reply.content.array_records) != 1:
+            return _error_reply(message, "the reply must hold exactly one ArrayRecord and one MetricRecord")
+        name, metrics = metric_records[0]
+        reply.content[name] = MetricRecord({**dict(metrics), **round_metrics(session.reports)})
+        return reply
+
+    return mod
+
+
+__all__ = ["guard_mod", "guard_step", "GuardDropped", "GuardSession", "round_metrics", "METRIC_KEYS"]

@@ -1,0 +1,105 @@
+"""guard_mod on a real Flower ClientApp and real Messages: what leaves the client, and what does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.supercore.task_identity import TaskIdentity
+
+from flguard import GuardConfig
+from flguard.flower import guard_mod, task
+from flguard.guard_report import METRIC_KEYS
+
+SETTINGS = task.TaskSettings(batch_size=2, lr=0.05, local_steps=1, init="uniform")
+OVERRIDES = {"batch-size": 2, "lr": 0.05, "local-steps": 1, "init": "uniform"}
+
+
+@pytest.fixture(autouse=True)
+def _server_identity():
+    """Messages are created server-side in Flower; give this process the identity a ServerApp has."""
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
+    yield
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
+def _context() -> Context:
+    return Context(run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2},
+                   state=RecordDict(), run_config={})
+
+
+def _message(kind: str, model, steps: int = 1) -> Message:
+    content = RecordDict({task.ARRAYS_KEY: task.to_arrays(model)})
+    if kind == MessageType.TRAIN:
+        content[task.CONFIG_KEY] = ConfigRecord({"lr": 0.05, "local-steps": steps, "batch-size": 2, "server-round": 1})
+    return Message(content, dst_node_id=5, message_type=kind)
+
+
+def _app(mods, guarded_handler: bool = True) -> ClientApp:
+    app = ClientApp(mods=mods)
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        if guarded_handler:
+            return task.handle_train(message, context, task.settings_from(context, OVERRIDES))
+        model = task.load_arrays(task.make_model(SETTINGS), message.content.array_records[task.ARRAYS_KEY])
+        return task.train_reply(message, model, task.LocalUpdate(torch.zeros(1), torch.zeros(1), 0.0, 1, 1))
+
+    @app.evaluate()
+    def evaluate(message: Message, context: Context) -> Message:
+        return task.handle_evaluate(message, context, task.settings_from(context, OVERRIDES))
+
+    return app
+
+
+def _flat(arrays) -> torch.Tensor:
+    return torch.cat([torch.as_tensor(a).reshape(-1) for a in arrays.to_numpy_ndarrays()])
+
+
+def test_train_reply_is_the_unguarded_update_plus_exactly_the_reported_noise():
+    model = task.make_model(SETTINGS)
+    unguarded = _app([])(_message(MessageType.TRAIN, model), _context())
+    guarded = _app([guard_mod(GuardConfig(defense="gaussian", min_rmse=0.05, seed=0))])(
+        _message(MessageType.TRAIN, model), _context())
+    assert not guarded.has_error()
+    metrics = guarded.content.metric_records[task.METRICS_KEY]
+    assert set(METRIC_KEYS) <= set(metrics) and metrics["guard_met"] == 1.0
+    assert metrics["guard_min_rmse_after"] >= 0.05
+    difference = _flat(guarded.content.array_records[task.ARRAYS_KEY]) - _flat(unguarded.content.array_records[task.ARRAYS_KEY])
+    # FedSGD: θ1 = θ0 − lr·(g + δ), so the uploads differ by lr·‖δ‖
+    torch.testing.assert_close(difference.norm().double(), torch.tensor(0.05 * metrics["guard_noise_norm"]).double(),
+                               rtol=1e-4, atol=0)
+
+
+def test_evaluate_passes_through_untouched_with_the_mod_app_wide():
+    model = task.make_model(SETTINGS)
+    plain = _app([])(_message(MessageType.EVALUATE, model), _context())
+    wrapped = _app([guard_mod(GuardConfig())])(_message(MessageType.EVALUATE, model), _context())
+    assert not wrapped.has_error()
+    assert dict(wrapped.content.metric_records[task.METRICS_KEY]) == dict(plain.content.metric_records[task.METRICS_KEY])
+
+
+def test_dropped_update_becomes_an_error_reply_with_the_reason():
+    model = task.make_model(SETTINGS)
+    strict = GuardConfig(defense="gaussian", min_rmse=0.05, max_rel_noise=1e-6)
+    reply = _app([guard_mod(strict)])(_message(MessageType.TRAIN, model), _context())
+    assert reply.has_error() and "budget" in reply.error.reason and not reply.has_content()
+
+
+def test_a_handler_that_skips_the_guard_is_refused():
+    model = task.make_model(SETTINGS)
+    reply = _app([guard_mod(GuardConfig())], guarded_handler=False)(_message(MessageType.TRAIN, model), _context())
+    assert reply.has_error() and "guard_step" in reply.error.reason
+
+
+def test_multi_step_training_is_guarded_per_step_with_the_worst_step_reported():
+    model = task.make_model(SETTINGS)
+    app = _app([guard_mod(GuardConfig(defense="eigen", min_rmse=0.05, seed=1))])
+    reply = app(_message(MessageType.TRAIN, model, steps=3), Context(
+        run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
+        run_config={"local-steps": 3}))
+    assert not reply.has_error()
+    metrics = reply.content.metric_records[task.METRICS_KEY]
+    assert metrics["guard_met"] == 1.0 and metrics["guard_min_rmse_after"] >= 0.05

@@ -6,8 +6,13 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+SIMULATIONS = Path(__file__).resolve().parents[1] / "simulations"
 
 
 @pytest.fixture(autouse=True)
@@ -23,3 +28,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def simulation_apps(monkeypatch: pytest.MonkeyPatch):
+    """The app factories of simulations/ (importable by the Ray workers through sys.path); Ray is
+    shut down afterwards, whatever happens."""
+    monkeypatch.syspath_prepend(str(SIMULATIONS))
+    from flguard_sim.client_app import make_client_app
+    from flguard_sim.server_app import make_server_app
+
+    yield make_client_app, make_server_app
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    for name in [m for m in sys.modules if m.startswith("flguard_sim")]:
+        del sys.modules[name]

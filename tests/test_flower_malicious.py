@@ -10,7 +10,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +19,6 @@ from flwr.app import Context, RecordDict
 from flguard.flower import AttackSpec, TruthChannelRefused, TruthReader, delta_to_gradient, record_batch
 from flguard.flower import task
 from flguard.flower.truth import TRUTH_DIR_KEY, in_simulation_runtime
-
-SIMULATIONS = Path(__file__).resolve().parents[1] / "simulations"
-
 
 def _context(run_config: dict | None = None) -> Context:
     return Context(run_id=7, node_id=11, node_config={"partition-id": 0, "num-partitions": 2},
@@ -78,22 +74,6 @@ def test_attack_spec_validates() -> None:
         AttackSpec(labels="guess")
     with pytest.raises(ValueError):
         AttackSpec(restarts=0)
-
-
-@pytest.fixture
-def simulation_apps(monkeypatch: pytest.MonkeyPatch):
-    """The app factories of simulations/ (importable by the Ray workers through sys.path)."""
-    monkeypatch.syspath_prepend(str(SIMULATIONS))
-    from flguard_sim.client_app import make_client_app
-    from flguard_sim.server_app import make_server_app
-
-    yield make_client_app, make_server_app
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    for name in [m for m in sys.modules if m.startswith("flguard_sim")]:
-        del sys.modules[name]
 
 
 def test_malicious_server_in_a_ray_simulation(tmp_path: Path, simulation_apps) -> None:

@@ -8,7 +8,7 @@ task, the truth channel.
 - ``flguard.flower.truth``: the simulation-only channel giving the server the true batches to score.
 """
 
-from flguard.flower.guard_mod import GuardDropped, guard_mod, guard_step, round_metrics
+from flguard.flower.guard_mod import GuardDropped, guard_mod, guard_mod_from_run_config, guard_step, round_metrics
 from flguard.flower.malicious import (
     AttackSpec,
     ClientUpdate,
@@ -22,6 +22,7 @@ from flguard.flower.truth import TRUTH_DIR_KEY, TruthChannelRefused, TruthReader
 
 __all__ = [
     "guard_mod",
+    "guard_mod_from_run_config",
     "guard_step",
     "GuardDropped",
     "round_metrics",

@@ -100,34 +100,64 @@ def _error_reply(message: Message, reason: str) -> Message:
     return Message(Error(code=GUARD_ERROR_CODE, reason=f"flguard: update withheld: {reason}"), reply_to=message)
 
 
+def _guarded_call(guard: Guard, message: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Run the train handler inside a guard session and vet its reply (see module doc)."""
+    session = GuardSession(guard)
+    token = _ACTIVE.set(session)
+    try:
+        reply = call_next(message, context)
+    except GuardDropped as dropped:
+        return _error_reply(message, dropped.report.reason)
+    finally:
+        _ACTIVE.reset(token)
+    if reply.has_error():
+        return reply
+    if not session.reports:
+        return _error_reply(message, "the train handler never called flguard.flower.guard_step, "
+                                     "so the update was not guarded")
+    metric_records = list(reply.content.metric_records.items())
+    if len(metric_records) != 1 or len(reply.content.array_records) != 1:
+        return _error_reply(message, "the reply must hold exactly one ArrayRecord and one MetricRecord")
+    name, metrics = metric_records[0]
+    reply.content[name] = MetricRecord({**dict(metrics), **round_metrics(session.reports)})
+    return reply
+
+
+def _is_train(message: Message) -> bool:
+    return message.metadata.message_type.split(".")[0] == MessageType.TRAIN
+
+
 def guard_mod(config: GuardConfig | None = None) -> Mod:
     """A Flower mod that guards train replies with one ``Guard`` (one noise stream) per ClientApp."""
     guard = Guard(config)
 
     def mod(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
-        if message.metadata.message_type.split(".")[0] != MessageType.TRAIN:
-            return call_next(message, context)
-        session = GuardSession(guard)
-        token = _ACTIVE.set(session)
-        try:
-            reply = call_next(message, context)
-        except GuardDropped as dropped:
-            return _error_reply(message, dropped.report.reason)
-        finally:
-            _ACTIVE.reset(token)
-        if reply.has_error():
-            return reply
-        if not session.reports:
-            return _error_reply(message, "the train handler never called flguard.flower.guard_step, "
-                                         "so the update was not guarded")
-        metric_records = list(reply.content.metric_records.items())
-        if len(metric_records) != 1 or len(reply.content.array_records) != 1:
-            return _error_reply(message, "the reply must hold exactly one ArrayRecord and one MetricRecord")
-        name, metrics = metric_records[0]
-        reply.content[name] = MetricRecord({**dict(metrics), **round_metrics(session.reports)})
-        return reply
+        return _guarded_call(guard, message, context, call_next) if _is_train(message) else call_next(message, context)
 
     return mod
 
 
-__all__ = ["guard_mod", "guard_step", "GuardDropped", "GuardSession", "round_metrics", "METRIC_KEYS"]
+def guard_mod_from_run_config(prefix: str = "guard-") -> Mod:
+    """Like ``guard_mod``, configured by run-config keys ``guard-<field>`` (e.g. ``guard-defense``,
+    ``guard-min-rmse``) — for apps configured in pyproject's ``[tool.flwr.app.config]``. Without a
+    ``guard-defense`` key the mod is inert; a bad value is an error reply naming the field."""
+    guards: dict[tuple, Guard] = {}
+
+    def mod(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        values = {key[len(prefix):].replace("-", "_"): value for key, value in context.run_config.items()
+                  if key.startswith(prefix)}
+        if not _is_train(message) or "defense" not in values:
+            return call_next(message, context)
+        key = tuple(sorted(values.items()))
+        if key not in guards:
+            try:
+                guards[key] = Guard(GuardConfig(**values))
+            except ValueError as error:
+                return _error_reply(message, f"bad guard configuration: {error}")
+        return _guarded_call(guards[key], message, context, call_next)
+
+    return mod
+
+
+__all__ = ["guard_mod", "guard_mod_from_run_config", "guard_step", "GuardDropped", "GuardSession", "round_metrics",
+           "METRIC_KEYS"]

@@ -13,7 +13,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import Mod
 
-from flguard.flower import task
+from flguard.flower import guard_mod_from_run_config, task
 from flguard.flower.truth import TRUTH_DIR_KEY
 
 
@@ -38,4 +38,5 @@ def make_client_app(overrides: Mapping[str, Any] | None = None, mods: Sequence[M
     return app
 
 
-app = make_client_app()
+# Guarded when the run config sets guard-defense (see [tool.flwr.app.config] in pyproject.toml).
+app = make_client_app(mods=[guard_mod_from_run_config()])

@@ -103,3 +103,20 @@ def test_multi_step_training_is_guarded_per_step_with_the_worst_step_reported():
     assert not reply.has_error()
     metrics = reply.content.metric_records[task.METRICS_KEY]
     assert metrics["guard_met"] == 1.0 and metrics["guard_min_rmse_after"] >= 0.05
+
+
+def test_run_config_configures_the_guard_and_bad_values_name_the_field():
+    from flguard.flower import guard_mod_from_run_config
+
+    model = task.make_model(SETTINGS)
+    app = _app([guard_mod_from_run_config()])
+    configured = Context(run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
+                         run_config={"guard-defense": "eigen", "guard-min-rmse": 0.05, "guard-seed": 2})
+    reply = app(_message(MessageType.TRAIN, model), configured)
+    assert not reply.has_error() and reply.content.metric_records[task.METRICS_KEY]["guard_met"] == 1.0
+    bad = Context(run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
+                  run_config={"guard-defense": "eigen", "guard-min-rmse": -1.0})
+    reply = app(_message(MessageType.TRAIN, model), bad)
+    assert reply.has_error() and "GuardConfig.min_rmse" in reply.error.reason
+    unguarded = app(_message(MessageType.TRAIN, model), _context())  # no guard-defense key: inert
+    assert not unguarded.has_error() and "guard_met" not in unguarded.content.metric_records[task.METRICS_KEY]

@@ -120,3 +120,46 @@ def test_run_config_configures_the_guard_and_bad_values_name_the_field():
     assert reply.has_error() and "GuardConfig.min_rmse" in reply.error.reason
     unguarded = app(_message(MessageType.TRAIN, model), _context())  # no guard-defense key: inert
     assert not unguarded.has_error() and "guard_met" not in unguarded.content.metric_records[task.METRICS_KEY]
+
+
+def test_localdp_mod_chains_after_the_guard():
+    from flwr.clientapp.mod import LocalDpMod
+
+    model = task.make_model(SETTINGS)
+    mods = [guard_mod(GuardConfig(defense="gaussian", min_rmse=0.05, seed=0)),
+            LocalDpMod(clipping_norm=1.0, sensitivity=1.0, epsilon=5.0, delta=1e-5)]
+    reply = _app(mods)(_message(MessageType.TRAIN, model), _context())
+    assert not reply.has_error()
+    assert reply.content.metric_records[task.METRICS_KEY]["guard_met"] == 1.0
+    evaluate = _app(mods[:1])(_message(MessageType.EVALUATE, model), _context())
+    assert not evaluate.has_error()
+
+
+def test_numpy_client_wrapper_guards_fit_and_refuses_unguarded_updates():
+    import numpy as np
+    import pytest
+    from flwr.client import NumPyClient
+
+    from flguard.flower.numpy_client import GuardedNumPyClient, UnguardedUpdate
+
+    train, _ = task.load_partition(SETTINGS, 0, 2)
+
+    class Client(NumPyClient):
+        def __init__(self, guarded: bool):
+            self.guarded = guarded
+
+        def fit(self, parameters, config):
+            model = task.make_model(SETTINGS)
+            model.load_state_dict({k: torch.as_tensor(v) for k, v in zip(model.state_dict(), parameters)})
+            if self.guarded:
+                task.local_sgd(model, train, lr=0.05, steps=1, batch_size=2, generator=torch.Generator().manual_seed(0))
+            return [v.numpy() for v in model.state_dict().values()], 2, {"train-loss": 0.0}
+
+    start = [v.numpy() for v in task.make_model(SETTINGS).state_dict().values()]
+    arrays, _, metrics = GuardedNumPyClient(Client(True), GuardConfig(min_rmse=0.05, seed=0)).fit(start, {})
+    assert metrics["guard_met"] == 1.0 and set(METRIC_KEYS) <= set(metrics)
+    plain, _, _ = Client(True).fit(start, {})
+    moved = np.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(arrays, plain)))
+    assert abs(moved - 0.05 * metrics["guard_noise_norm"]) <= 1e-3 * moved
+    with pytest.raises(UnguardedUpdate):
+        GuardedNumPyClient(Client(False)).fit(start, {})

@@ -9,6 +9,7 @@ task, the truth channel.
 """
 
 from flguard.flower.guard_mod import GuardDropped, guard_mod, guard_mod_from_run_config, guard_step, round_metrics
+from flguard.flower.numpy_client import GuardedNumPyClient, UnguardedUpdate
 from flguard.flower.malicious import (
     AttackSpec,
     ClientUpdate,
@@ -24,6 +25,8 @@ __all__ = [
     "guard_mod",
     "guard_mod_from_run_config",
     "guard_step",
+    "GuardedNumPyClient",
+    "UnguardedUpdate",
     "GuardDropped",
     "round_metrics",
     "AttackSpec",

@@ -42,6 +42,21 @@ TRAIN_METRIC_KEYS = ("num-examples", "train-loss")
 EVALUATE_METRIC_KEYS = ("num-examples", "eval-loss", "eval-acc")
 
 
+def dataclass_from_config(cls, *configs: Mapping[str, Any] | None):
+    """Build dataclass ``cls`` from run-config-like mappings: field ``foo_bar`` is key ``foo-bar``,
+    values take the default's type (booleans from true/false/1/0), later mappings override
+    earlier ones, and unknown keys are ignored (task, server and guard share one run config)."""
+    values: dict[str, Any] = {}
+    for config in configs:
+        for field in fields(cls):
+            key = field.name.replace("_", "-")
+            if config is not None and key in config:
+                default, raw = getattr(cls, field.name), config[key]
+                values[field.name] = (str(raw).lower() in ("1", "true", "yes") if isinstance(default, bool)
+                                      else type(default)(raw))
+    return cls(**values)
+
+
 @dataclass(frozen=True)
 class TaskSettings:
     """Everything that defines the task; read from a run config (``[tool.flwr.app.config]``).
@@ -65,13 +80,7 @@ class TaskSettings:
     @classmethod
     def from_config(cls, *configs: Mapping[str, Any] | None) -> "TaskSettings":
         """Settings from run-config-like mappings; later mappings override earlier ones."""
-        values: dict[str, Any] = {}
-        for config in configs:
-            for field in fields(cls):
-                key = field.name.replace("_", "-")
-                if config is not None and key in config:
-                    values[field.name] = type(getattr(cls, field.name))(config[key])
-        return cls(**values)
+        return dataclass_from_config(cls, *configs)
 
     def train_config(self) -> ConfigRecord:
         """The local hyperparameters the server sends with every train message."""

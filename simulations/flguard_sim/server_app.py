@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import Context
@@ -42,16 +42,7 @@ class ServerSettings:
 
     @classmethod
     def from_config(cls, *configs: Mapping[str, Any] | None) -> "ServerSettings":
-        values: dict[str, Any] = {}
-        for config in configs:
-            for field in fields(cls):
-                key = field.name.replace("_", "-")
-                if config is not None and key in config:
-                    default = getattr(cls, field.name)
-                    raw = config[key]
-                    values[field.name] = (str(raw).lower() in ("1", "true", "yes") if isinstance(default, bool)
-                                          else type(default)(raw))
-        return cls(**values)
+        return task.dataclass_from_config(cls, *configs)
 
 
 def build_strategy(settings: ServerSettings, task_settings: task.TaskSettings) -> Strategy:

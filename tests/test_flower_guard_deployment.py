@@ -1,0 +1,99 @@
+"""The guard on Flower's deployment engine: a real SuperLink and two SuperNodes on loopback.
+
+Two rounds of the guarded simulations/ app; one SuperNode is killed after the first round. The run
+must complete, and every round's aggregated train metrics must say the guard met its floor — an
+unguarded reply would either lack the guard's keys (FedAvg refuses inconsistent keys) or pull
+the averaged ``guard_met`` below 1. Every process started here is stopped by its process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SIMULATIONS
+
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for_port(port: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {seconds} s")
+
+
+@pytest.fixture
+def launch():
+    """Start processes in their own process groups; stop every one of them at the end, by PID."""
+    started: list[subprocess.Popen] = []
+
+    def start(args: list[str], log: Path, env: dict) -> subprocess.Popen:
+        process = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)
+        started.append(process)
+        return process
+
+    yield start
+    for process in reversed(started):
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(timeout=15)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def test_guarded_run_survives_a_killed_supernode(tmp_path: Path, launch) -> None:
+    port = _free_port()
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    (home / "config.toml").write_text(f'[superlink]\ndefault = "local-deployment"\n\n[superlink.local-deployment]\n'
+                                      f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+    env = {**os.environ, "FLWR_HOME": str(home), "FLGUARD_RUNS_DIR": str(tmp_path / "runs"),
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
+           "FLWR_TELEMETRY_ENABLED": "0", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    launch([str(BIN / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
+            "--port", str(port)], tmp_path / "superlink.log", env)
+    _wait_for_port(port, 90)
+    nodes = [launch([str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
+                     "--port", str(_free_port()), "--node-config", f"partition-id={k} num-partitions=2"],
+                    tmp_path / f"supernode-{k}.log", env) for k in range(2)]
+    out_dir = tmp_path / "results"
+    run_log = tmp_path / "run.log"
+    run = launch([str(BIN / "flwr"), "run", str(SIMULATIONS), "local-deployment", "--stream", "--run-config",
+                  f'num-server-rounds=2 min-nodes=1 batch-size=2 round-timeout=90 attack-iterations=2 '
+                  f'attack-blocking=true out-dir="{out_dir}"'], run_log, env)
+    deadline = time.monotonic() + 600
+    while "[ROUND 2/2]" not in run_log.read_text() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(1)
+    assert "[ROUND 2/2]" in run_log.read_text(), run_log.read_text()[-3000:]
+    os.killpg(nodes[1].pid, signal.SIGKILL)  # a client disappears mid-run
+    nodes[1].wait(timeout=30)
+    assert run.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, run_log.read_text()[-3000:]
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert sorted(summary["train_metrics"]) == ["1", "2"]
+    for metrics in summary["train_metrics"].values():
+        assert metrics["guard_met"] == 1.0 and metrics["guard_min_rmse_after"] >= 0.05

@@ -163,3 +163,14 @@ def test_numpy_client_wrapper_guards_fit_and_refuses_unguarded_updates():
     assert abs(moved - 0.05 * metrics["guard_noise_norm"]) <= 1e-3 * moved
     with pytest.raises(UnguardedUpdate):
         GuardedNumPyClient(Client(False)).fit(start, {})
+
+
+def test_a_faked_secagg_stage_does_not_open_a_way_around_the_guard():
+    """The guard lets SecAgg+ control stages through only when their reply holds no update."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+
+    model = task.make_model(SETTINGS)
+    message = _message(MessageType.TRAIN, model)
+    message.content[RECORD_KEY_CONFIGS] = ConfigRecord({Key.STAGE: Stage.SETUP})  # no secaggplus_mod in the app
+    reply = _app([guard_mod(GuardConfig())], guarded_handler=False)(message, _context())
+    assert reply.has_error() and "guard_step" in reply.error.reason

@@ -14,6 +14,13 @@ adds the guard's numeric metrics (fixed keys, every round) to the reply's Metric
 round's worst sample over its steps. A dropped step, a handler that never called ``guard_step``,
 or a reply that is not one ArrayRecord + one MetricRecord becomes a Flower *error* reply that says
 why — never an unguarded update. Evaluate and query messages pass through untouched.
+
+Legacy clients (``client_fn`` + ``NumPyClient``) reply in Flower's compat layout; the metrics then go
+into its ``fitres.metrics`` record, which legacy strategies read. Flower's SecAgg+ mod sends its
+key-exchange and unmasking stages as *train* messages that never reach the handler and carry no
+model update; the mod accepts a reply without guard steps only for those stages and only when it
+holds no model arrays (a server that fakes a stage gains nothing: the handler still runs guarded),
+so it chains with ``secaggplus_mod`` in either order.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ from typing import Sequence
 import torch
 from flwr.app import Context, Error, Message, MessageType, MetricRecord
 from flwr.clientapp.typing import ClientAppCallable, Mod
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS as SECAGG_CONFIGS
+from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
+from flwr.common.secure_aggregation.secaggplus_constants import Stage as SecAggStage
 from torch import nn
 
 from flguard.guard import Guard
@@ -33,6 +43,8 @@ from flguard.guard_report import METRIC_KEYS, GuardReport
 
 #: Error code of a reply whose update the guard withheld (Flower's MOD_FAILED_PRECONDITION).
 GUARD_ERROR_CODE = 6
+#: The ConfigRecord holding fit metrics in Flower's compat (NumPyClient) reply layout.
+LEGACY_FIT_METRICS = "fitres.metrics"
 
 
 class GuardDropped(RuntimeError):
@@ -102,6 +114,7 @@ def _error_reply(message: Message, reason: str) -> Message:
 
 def _guarded_call(guard: Guard, message: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Run the train handler inside a guard session and vet its reply (see module doc)."""
+    secagg_control = _is_secagg_control(message)  # before call_next: secaggplus_mod pops the stage
     session = GuardSession(guard)
     token = _ACTIVE.set(session)
     try:
@@ -113,18 +126,38 @@ def _guarded_call(guard: Guard, message: Message, context: Context, call_next: C
     if reply.has_error():
         return reply
     if not session.reports:
+        if secagg_control and not _carries_update(reply):
+            return reply  # SecAgg+ keys or mask shares: no model update to guard
         return _error_reply(message, "the train handler never called flguard.flower.guard_step, "
                                      "so the update was not guarded")
+    metrics = round_metrics(session.reports)
+    legacy = reply.content.config_records.get(LEGACY_FIT_METRICS)
+    if legacy is not None:  # compat layout: legacy strategies read fit metrics from this record
+        legacy.update(metrics)
+        return reply
     metric_records = list(reply.content.metric_records.items())
     if len(metric_records) != 1 or len(reply.content.array_records) != 1:
         return _error_reply(message, "the reply must hold exactly one ArrayRecord and one MetricRecord")
-    name, metrics = metric_records[0]
-    reply.content[name] = MetricRecord({**dict(metrics), **round_metrics(session.reports)})
+    name, record = metric_records[0]
+    reply.content[name] = MetricRecord({**dict(record), **metrics})
     return reply
 
 
 def _is_train(message: Message) -> bool:
     return message.metadata.message_type.split(".")[0] == MessageType.TRAIN
+
+
+def _is_secagg_control(message: Message) -> bool:
+    """A SecAgg+ key-exchange or unmasking stage: Flower's secaggplus_mod answers it itself."""
+    secagg = message.content.config_records.get(SECAGG_CONFIGS)
+    return secagg is not None and secagg.get(SecAggKey.STAGE) != SecAggStage.COLLECT_MASKED_VECTORS
+
+
+def _carries_update(reply: Message) -> bool:
+    """Whether a reply holds model arrays, a legacy fit result or a SecAgg+ masked vector."""
+    secagg = reply.content.config_records.get(SECAGG_CONFIGS) or {}
+    return (any(len(record) for record in reply.content.array_records.values())
+            or LEGACY_FIT_METRICS in reply.content.config_records or SecAggKey.MASKED_PARAMETERS in secagg)
 
 
 def guard_mod(config: GuardConfig | None = None) -> Mod:

@@ -1,9 +1,9 @@
 """The guard on Flower's deployment engine: a real SuperLink and two SuperNodes on loopback.
 
-Two rounds of the guarded simulations/ app; one SuperNode is killed after the first round. The run
-must complete, and every round's aggregated train metrics must say the guard met its floor — an
-unguarded reply would either lack the guard's keys (FedAvg refuses inconsistent keys) or pull
-the averaged ``guard_met`` below 1. Every process started here is stopped by its process group.
+Two rounds of the guarded simulations/ app; one SuperNode is killed once round 2 has started. The
+run must complete, and every train reply the server received (logged one by one in summary.json
+by the app's ``LoggedFedAvg``) must carry the guard's keys with ``guard_met`` = 1 and non-zero
+noise: no unguarded update arrived. Every process started here is stopped by its process group.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SIMULATIONS
+from flguard.guard_report import METRIC_KEYS
 
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
@@ -97,3 +98,11 @@ def test_guarded_run_survives_a_killed_supernode(tmp_path: Path, launch) -> None
     assert sorted(summary["train_metrics"]) == ["1", "2"]
     for metrics in summary["train_metrics"].values():
         assert metrics["guard_met"] == 1.0 and metrics["guard_min_rmse_after"] >= 0.05
+    # Every train reply the server received, one by one: only guarded updates arrived.
+    replies = summary["train_replies"]
+    assert len(replies["1"]) == 2 and 1 <= len(replies["2"]) <= 2, replies
+    received = [metrics for per_node in replies.values() for metrics in per_node.values() if "error" not in metrics]
+    assert len(received) >= 3, replies
+    for metrics in received:
+        assert set(METRIC_KEYS) <= set(metrics), metrics
+        assert metrics["guard_met"] == 1.0 and metrics["guard_min_rmse_after"] >= 0.05 and metrics["guard_noise_norm"] > 0

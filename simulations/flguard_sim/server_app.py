@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import Context
+from flwr.app import ArrayRecord, Context, Message, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, Strategy
 from flwr.serverapp.strategy.result import Result
@@ -45,9 +45,30 @@ class ServerSettings:
         return task.dataclass_from_config(cls, *configs)
 
 
+class LoggedFedAvg(FedAvg):
+    """FedAvg that keeps every train reply's metrics (or error) per round and node.
+
+    Why: the aggregate can hide a single reply; summary.json lists each one, so a run can be
+    audited for updates that left a client without the guard's keys or with ``guard_met`` = 0.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.train_replies: dict[int, dict[int, dict[str, Any]]] = {}
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        self.train_replies[server_round] = {
+            r.metadata.src_node_id: ({"error": r.error.reason} if r.has_error()
+                                     else {k: v for m in r.content.metric_records.values() for k, v in m.items()})
+            for r in replies}
+        return super().aggregate_train(server_round, replies)
+
+
 def build_strategy(settings: ServerSettings, task_settings: task.TaskSettings) -> Strategy:
-    """FedAvg, wrapped by the malicious server when the run config asks for it."""
-    strategy: Strategy = FedAvg(fraction_train=settings.fraction_train, fraction_evaluate=settings.fraction_evaluate,
+    """FedAvg (logging each train reply), wrapped by the malicious server when the run config asks."""
+    strategy: Strategy = LoggedFedAvg(fraction_train=settings.fraction_train, fraction_evaluate=settings.fraction_evaluate,
                                 min_train_nodes=settings.min_nodes, min_evaluate_nodes=settings.min_nodes,
                                 min_available_nodes=settings.min_nodes)
     if not settings.malicious:
@@ -73,6 +94,7 @@ def run_server(grid: Grid, context: Context, overrides: Mapping[str, Any] | None
     if isinstance(strategy, MaliciousServer):
         summary = {"rounds": settings.num_server_rounds, "attack_rows": len(strategy.results),
                    "train_metrics": {r: dict(m) for r, m in result.train_metrics_clientapp.items()},
+                   "train_replies": strategy.strategy.train_replies,
                    "evaluate_metrics": {r: dict(m) for r, m in result.evaluate_metrics_clientapp.items()}}
         (strategy.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return result

@@ -9,7 +9,7 @@ from flwr.clientapp import ClientApp
 from flwr.supercore.task_identity import TaskIdentity
 
 from flguard import GuardConfig
-from flguard.flower import guard_mod, task
+from flguard.flower import guard_mod, guard_step, task
 from flguard.guard_report import METRIC_KEYS
 
 SETTINGS = task.TaskSettings(batch_size=2, lr=0.05, local_steps=1, init="uniform")
@@ -174,3 +174,54 @@ def test_a_faked_secagg_stage_does_not_open_a_way_around_the_guard():
     message.content[RECORD_KEY_CONFIGS] = ConfigRecord({Key.STAGE: Stage.SETUP})  # no secaggplus_mod in the app
     reply = _app([guard_mod(GuardConfig())], guarded_handler=False)(message, _context())
     assert reply.has_error() and "guard_step" in reply.error.reason
+
+
+class _ScalarAndIntegerModel(torch.nn.Module):
+    """A 0-d trainable scale and an integer buffer: what Flower 1.41's DP mods mishandle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.fc = torch.nn.Linear(6, 3)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+        self.register_buffer("steps", torch.tensor(7, dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * self.fc(x.flatten(1))
+
+
+def _scalar_app(zero_gradient: bool) -> ClientApp:
+    from flwr.app import ArrayRecord, MetricRecord
+
+    app = ClientApp(mods=[guard_mod(GuardConfig(defense="gaussian", min_rmse=0.05, seed=0))])
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        model = _ScalarAndIntegerModel()
+        x, y = torch.randn(2, 6, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 2])
+        params = list(model.parameters())
+        grads = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)
+        if zero_gradient:
+            grads = [torch.zeros_like(g) for g in grads]
+        grads = guard_step(model, x, y, grads)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.sub_(0.1 * g)
+        return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
+                                   "metrics": MetricRecord({"num-examples": 2})}), reply_to=message)
+
+    return app
+
+
+def test_zero_d_integer_and_all_zero_updates_are_handled():
+    message = _message(MessageType.TRAIN, task.make_model(SETTINGS))
+    reply = _scalar_app(zero_gradient=False)(message, _context())
+    assert not reply.has_error(), reply.error if reply.has_error() else None
+    arrays = reply.content.array_records["arrays"].to_torch_state_dict()
+    start = _ScalarAndIntegerModel().state_dict()
+    assert arrays["steps"].dtype == torch.long and int(arrays["steps"]) == 7  # never touched
+    assert arrays["scale"].shape == () and float(arrays["scale"]) != float(start["scale"])  # 0-d guarded and moved
+    assert reply.content.metric_records["metrics"]["guard_met"] == 1.0
+    # An all-zero gradient cannot meet a noise budget relative to its norm: a clean error, no crash.
+    zero = _scalar_app(zero_gradient=True)(_message(MessageType.TRAIN, task.make_model(SETTINGS)), _context())
+    assert zero.has_error() and "budget" in zero.error.reason

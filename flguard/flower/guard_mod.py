@@ -26,6 +26,7 @@ so it chains with ``secaggplus_mod`` in either order.
 from __future__ import annotations
 
 import contextvars
+import logging
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -40,6 +41,8 @@ from torch import nn
 from flguard.guard import Guard
 from flguard.guard_config import GuardConfig
 from flguard.guard_report import METRIC_KEYS, GuardReport
+
+_LOG = logging.getLogger("flguard")
 
 #: Error code of a reply whose update the guard withheld (Flower's MOD_FAILED_PRECONDITION).
 GUARD_ERROR_CODE = 6
@@ -130,6 +133,9 @@ def _guarded_call(guard: Guard, message: Message, context: Context, call_next: C
             return reply  # SecAgg+ keys or mask shares: no model update to guard
         return _error_reply(message, "the train handler never called flguard.flower.guard_step, "
                                      "so the update was not guarded")
+    for report in session.reports:
+        if not report.met:  # max-noise or an acknowledged send: the reply goes out, say why here
+            _LOG.warning("flguard: update sent with guard_met=0: %s", report.reason)
     metrics = round_metrics(session.reports)
     legacy = reply.content.config_records.get(LEGACY_FIT_METRICS)
     if legacy is not None:  # compat layout: legacy strategies read fit metrics from this record
@@ -173,7 +179,10 @@ def guard_mod(config: GuardConfig | None = None) -> Mod:
 def guard_mod_from_run_config(prefix: str = "guard-") -> Mod:
     """Like ``guard_mod``, configured by run-config keys ``guard-<field>`` (e.g. ``guard-defense``,
     ``guard-min-rmse``) — for apps configured in pyproject's ``[tool.flwr.app.config]``. Without a
-    ``guard-defense`` key the mod is inert; a bad value is an error reply naming the field."""
+    ``guard-defense`` key the mod is inert; a bad value is an error reply naming the field.
+
+    The run config belongs to whoever submits the run (often the server's side) and can be
+    overridden per run: use ``guard_mod(GuardConfig(...))`` when the server is not trusted."""
     guards: dict[tuple, Guard] = {}
 
     def mod(message: Message, context: Context, call_next: ClientAppCallable) -> Message:

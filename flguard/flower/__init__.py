@@ -1,7 +1,9 @@
 """Flower integration: the guard's client mod, the malicious-server strategy wrapper, the shared FL
 task, the truth channel.
 
-- ``guard_mod(GuardConfig(...))`` + ``guard_step(...)``: only guarded train updates leave the client.
+- ``guard_mod(GuardConfig(...))`` + ``guard_step(...)``: only guarded train updates leave the client
+  (Message-API and ``client_fn`` apps; chains with Flower's LocalDpMod and SecAgg+ mods);
+  ``GuardedNumPyClient`` does the same for a legacy ``NumPyClient``.
 
 - ``MaliciousServer`` wraps any Flower 1.41 Message-API strategy and attacks the uploads it sees.
 - ``flguard.flower.task``: model, client partitions, local SGD and record helpers the apps share.

@@ -100,9 +100,11 @@ def test_guarded_run_survives_a_killed_supernode(tmp_path: Path, launch) -> None
         assert metrics["guard_met"] == 1.0 and metrics["guard_min_rmse_after"] >= 0.05
     # Every train reply the server received, one by one: only guarded updates arrived.
     replies = summary["train_replies"]
-    assert len(replies["1"]) == 2 and 1 <= len(replies["2"]) <= 2, replies
+    # With min-nodes=1 a slow second SuperNode may register only after round 1 has started, so
+    # round 1 holds one or two replies; round 2 holds the survivor's (plus the killed node's error).
+    assert 1 <= len(replies["1"]) <= 2 and 1 <= len(replies["2"]) <= 2, replies
     received = [metrics for per_node in replies.values() for metrics in per_node.values() if "error" not in metrics]
-    assert len(received) >= 3, replies
+    assert len(received) >= 2, replies
     for metrics in received:
         assert set(METRIC_KEYS) <= set(metrics), metrics
         assert metrics["guard_met"] == 1.0 and metrics["guard_min_rmse_after"] >= 0.05 and metrics["guard_noise_norm"] > 0

@@ -1,4 +1,4 @@
-"""The malicious server's attacks: DLG, GS (inverting gradients), R-GAP, hybrid; labels; image metrics.
+"""The malicious server's attacks: DLG, GS (inverting gradients), R-GAP, hybrid, adaptive; labels; metrics.
 
 ``reconstruct(model, gradient, input_shape, method=...)`` is the entry point; ``metrics`` scores
 reconstructions (MSE, PSNR, SSIM, optional LPIPS, Hungarian matching for batches).

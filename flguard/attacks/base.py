@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 # Modules that hold registered attacks; imported on first use of the registry.
-METHOD_MODULES = ("flguard.attacks.dlg", "flguard.attacks.gs", "flguard.attacks.rgap", "flguard.attacks.hybrid")
+METHOD_MODULES = ("flguard.attacks.dlg", "flguard.attacks.gs", "flguard.attacks.rgap", "flguard.attacks.hybrid",
+                  "flguard.attacks.adaptive")
 
 
 @dataclass

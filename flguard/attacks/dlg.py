@@ -26,7 +26,8 @@ from torch import nn
 from flguard.attacks.base import Reconstruction, register
 from flguard.attacks.gs import pick_best
 from flguard.attacks.labels import last_layer_gradients
-from flguard.attacks.objectives import MATCHING_DISTANCES, InputSpace, LossFn, total_variation
+from flguard.attacks.objectives import (MATCHING_DISTANCES, InputSpace, LossFn, project_out, project_target,
+                                       subspace_basis, total_variation)
 from flguard.attacks.unroll import make_observer
 
 DEFAULT_STEPS = 50
@@ -40,16 +41,19 @@ def dlg(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[
         lr: float = 1.0, max_iter: int = DEFAULT_MAX_ITER, history_size: int = 100,
         line_search: str | None = None, tolerance_grad: float = 1e-7, tolerance_change: float = 1e-9,
         joint_labels: bool = False, distance: str = "l2", tv: float = 0.0, boxed: bool = False,
-        mean: float | Sequence[float] = 0.0, std: float | Sequence[float] = 1.0, init: str = "randn",
+        mean: float | Sequence[float] = 0.0, std: float | Sequence[float] = 1.0, init: str | torch.Tensor = "randn",
         local_steps: int = 1, local_lr: float | None = None, local_batch_size: int | None = None,
-        local_batches: Sequence[Sequence[int]] | None = None, observer_mode: str = "auto") -> Reconstruction:
+        local_batches: Sequence[Sequence[int]] | None = None, observer_mode: str = "auto",
+        ignore_subspace: torch.Tensor | None = None) -> Reconstruction:
     """Zhu et al.'s attack; ``iterations`` counts L-BFGS ``step`` calls of ``max_iter`` each.
 
     Hyperparameters: ``lr``, ``max_iter``, ``history_size``, ``line_search`` ('strong_wolfe' or
     None), ``tolerance_grad``, ``tolerance_change`` (``torch.optim.LBFGS``'s own);
     ``joint_labels`` optimise soft labels with the images; ``distance`` 'l2' | 'cosine';
     ``tv``/``boxed``/``mean``/``std`` optional image prior (off by default, as published);
-    ``init`` 'randn' | 'rand'; ``local_*`` unrolled K-step update (``flguard.attacks.unroll``).
+    ``init`` 'randn' | 'rand' | a tensor [B, *input_shape] (warm start of restart 0); ``local_*``
+    unrolled K-step update (``flguard.attacks.unroll``); ``ignore_subspace`` [dθ, r] orthonormal
+    parameter-space directions removed from both gradients before matching (the adaptive attack).
     """
     start = time.perf_counter()
     steps = DEFAULT_STEPS if iterations is None else iterations
@@ -62,6 +66,8 @@ def dlg(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[
     if labels is None and not joint_labels:
         raise ValueError("dlg needs labels (or joint_labels=True)")
     matching = MATCHING_DISTANCES[distance]
+    basis = subspace_basis(ignore_subspace, target)
+    target = project_target(target, basis)
     space = InputSpace(input_shape, mean, std, device=device, dtype=target[0].dtype)
     observer = make_observer(model, loss_fn, batch_size, local_steps=local_steps, local_lr=local_lr,
                              local_batch_size=local_batch_size, local_batches=local_batches, mode=observer_mode)
@@ -79,7 +85,7 @@ def dlg(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[
         soft = lambda: fixed  # noqa: E731
 
     def objective() -> tuple[torch.Tensor, torch.Tensor]:
-        match = matching(observer(x, soft()), target)
+        match = matching(project_out(observer(x, soft()), basis), target)
         prior = tv * total_variation(space.to_pixels(x)).mean(dim=1) if tv > 0 else 0.0
         return match, match + prior
 

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from flguard.attacks.base import Reconstruction, register
-from flguard.attacks.objectives import MATCHING_DISTANCES, InputSpace, LossFn, total_variation
+from flguard.attacks.objectives import (MATCHING_DISTANCES, InputSpace, LossFn, project_out, project_target,
+                                       subspace_basis, total_variation)
 from flguard.attacks.unroll import make_observer
 
 # Published preset (Geiping et al.'s repository defaults for single-image ResNet/CIFAR attacks):
@@ -50,17 +51,20 @@ def gs(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[i
        restarts: int, device: torch.device, generator: torch.Generator,
        lr: float = 0.1, tv: float = DEFAULT_TV, mean: float | Sequence[float] = 0.0,
        std: float | Sequence[float] = 1.0, boxed: bool = True, signed: bool = True, lr_decay: bool = True,
-       distance: str = "cosine", init: str = "randn", local_steps: int = 1, local_lr: float | None = None,
-       local_batch_size: int | None = None, local_batches: Sequence[Sequence[int]] | None = None,
-       log_every: int = 100, observer_mode: str = "auto") -> Reconstruction:
+       distance: str = "cosine", init: str | torch.Tensor = "randn", local_steps: int = 1,
+       local_lr: float | None = None, local_batch_size: int | None = None,
+       local_batches: Sequence[Sequence[int]] | None = None, log_every: int = 100, observer_mode: str = "auto",
+       ignore_subspace: torch.Tensor | None = None) -> Reconstruction:
     """Geiping et al.'s attack. ``labels`` [B] are known (``reconstruct`` recovers them if not).
 
     Hyperparameters: ``lr`` Adam step; ``tv`` weight of total variation (pixel units);
     ``mean``/``std`` the dataset normalisation (for the box and TV); ``boxed``, ``signed``,
     ``lr_decay`` switch the three tricks; ``distance`` 'cosine' (default) or 'l2';
-    ``init`` 'randn' | 'rand'; ``local_steps``/``local_lr``/``local_batch_size``/``local_batches``
-    attack a K-step FedAvg update by unrolling (see ``flguard.attacks.unroll``);
-    ``log_every`` history period; ``observer_mode`` 'auto' | 'vmap' | 'autograd'.
+    ``init`` 'randn' | 'rand' | a tensor [B, *input_shape] (warm start of restart 0);
+    ``local_steps``/``local_lr``/``local_batch_size``/``local_batches`` attack a K-step FedAvg
+    update by unrolling (see ``flguard.attacks.unroll``); ``log_every`` history period;
+    ``observer_mode`` 'auto' | 'vmap' | 'autograd'; ``ignore_subspace`` [dθ, r] orthonormal
+    parameter-space directions removed from both gradients before matching (the adaptive attack).
     """
     start = time.perf_counter()
     iterations = DEFAULT_ITERATIONS if iterations is None else iterations
@@ -69,6 +73,8 @@ def gs(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[i
     if tv < 0 or lr <= 0:
         raise ValueError(f"tv={tv} must be >= 0 and lr={lr} > 0")
     matching = MATCHING_DISTANCES[distance]
+    basis = subspace_basis(ignore_subspace, target)
+    target = project_target(target, basis)
     space = InputSpace(input_shape, mean, std, device=device, dtype=target[0].dtype)
     observer = make_observer(model, loss_fn, batch_size, local_steps=local_steps, local_lr=local_lr,
                              local_batch_size=local_batch_size, local_batches=local_batches, mode=observer_mode)
@@ -82,7 +88,7 @@ def gs(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[i
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones(iterations), gamma=0.1) if lr_decay else None
 
     def objective(candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        match = matching(observer(candidates, y), target)
+        match = matching(project_out(observer(candidates, y), basis), target)
         prior = tv * total_variation(space.to_pixels(candidates)).mean(dim=1) if tv > 0 else 0.0
         return match, match + prior
 

@@ -70,6 +70,37 @@ def cosine_distances(candidate: Sequence[torch.Tensor], target: Sequence[torch.T
     return 1.0 - dot / norms.clamp_min(1e-30)
 
 
+def project_out(tensors: Sequence[torch.Tensor], basis: torch.Tensor | None) -> list[torch.Tensor]:
+    """Per-layer tensors with a leading candidate axis [R, ...] minus their component in span(basis).
+
+    ``basis`` [dθ, r] has orthonormal columns over all parameters concatenated (model order); the
+    result is t − Q(Qᵀt) split back per layer. An attacker that knows which parameter-space
+    directions carry a defense's noise matches only the rest of the gradient (see
+    ``flguard.attacks.adaptive``). ``None`` returns the tensors unchanged.
+    """
+    if basis is None:
+        return list(tensors)
+    flat = _flat_candidates(tensors)
+    flat = flat - (flat @ basis) @ basis.T
+    sizes = [t[0].numel() for t in tensors]
+    return [chunk.reshape(t.shape) for chunk, t in zip(flat.split(sizes, dim=1), tensors)]
+
+
+def subspace_basis(basis: torch.Tensor | None, target: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``basis`` checked against the target's size [dθ, r] and moved to its device and dtype."""
+    if basis is None:
+        return None
+    total = sum(t.numel() for t in target)
+    if basis.ndim != 2 or basis.shape[0] != total:
+        raise ValueError(f"ignore_subspace has shape {tuple(basis.shape)}; expected [{total}, r] (orthonormal columns)")
+    return basis.detach().to(device=target[0].device, dtype=target[0].dtype)
+
+
+def project_target(target: Sequence[torch.Tensor], basis: torch.Tensor | None) -> list[torch.Tensor]:
+    """``project_out`` for one un-batched per-layer gradient."""
+    return [t[0] for t in project_out([t.unsqueeze(0) for t in target], basis)]
+
+
 MATCHING_DISTANCES: dict[str, Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], torch.Tensor]] = {
     "l2": l2_distances,
     "cosine": cosine_distances,
@@ -191,11 +222,19 @@ class InputSpace:
         """Project onto the pixel box [0, 1] in place (x in model input space)."""
         return x.copy_(torch.maximum(torch.minimum(x, self.high), self.low))
 
-    def initial(self, restarts: int, batch_size: int, init: str, generator: torch.Generator) -> torch.Tensor:
-        """Random candidates [R, B, *shape] in model input space: 'randn' (N(0, 1), Geiping's and
-        DLG's choice) or 'rand' (uniform pixels in [0, 1])."""
+    def initial(self, restarts: int, batch_size: int, init: str | torch.Tensor,
+                generator: torch.Generator) -> torch.Tensor:
+        """Candidates [R, B, *shape] in model input space: 'randn' (N(0, 1), Geiping's and DLG's
+        choice), 'rand' (uniform pixels in [0, 1]), or a tensor [B, *shape] — a warm start (e.g. an
+        earlier reconstruction) for restart 0, the other restarts drawn as 'randn'."""
         size = (restarts, batch_size, *self.shape)
         device = self.mean.device
+        if isinstance(init, torch.Tensor):
+            if tuple(init.shape) != (batch_size, *self.shape):
+                raise ValueError(f"init tensor has shape {tuple(init.shape)}; expected {(batch_size, *self.shape)}")
+            start = torch.randn(size, generator=generator, device=device, dtype=self.mean.dtype)
+            start[0] = init.detach().to(device=device, dtype=self.mean.dtype)
+            return start
         if init == "randn":
             return torch.randn(size, generator=generator, device=device, dtype=self.mean.dtype)
         if init == "rand":

@@ -111,7 +111,7 @@ def round_metrics(reports: Sequence[GuardReport]) -> dict[str, float]:
     }
 
 
-def _error_reply(message: Message, reason: str) -> Message:
+def error_reply(message: Message, reason: str) -> Message:
     return Message(Error(code=GUARD_ERROR_CODE, reason=f"flguard: update withheld: {reason}"), reply_to=message)
 
 
@@ -123,7 +123,7 @@ def _guarded_call(guard: Guard, message: Message, context: Context, call_next: C
     try:
         reply = call_next(message, context)
     except GuardDropped as dropped:
-        return _error_reply(message, dropped.report.reason)
+        return error_reply(message, dropped.report.reason)
     finally:
         _ACTIVE.reset(token)
     if reply.has_error():
@@ -131,7 +131,7 @@ def _guarded_call(guard: Guard, message: Message, context: Context, call_next: C
     if not session.reports:
         if secagg_control and not _carries_update(reply):
             return reply  # SecAgg+ keys or mask shares: no model update to guard
-        return _error_reply(message, "the train handler never called flguard.flower.guard_step, "
+        return error_reply(message, "the train handler never called flguard.flower.guard_step, "
                                      "so the update was not guarded")
     for report in session.reports:
         if not report.met:  # max-noise or an acknowledged send: the reply goes out, say why here
@@ -143,7 +143,7 @@ def _guarded_call(guard: Guard, message: Message, context: Context, call_next: C
         return reply
     metric_records = list(reply.content.metric_records.items())
     if len(metric_records) != 1 or len(reply.content.array_records) != 1:
-        return _error_reply(message, "the reply must hold exactly one ArrayRecord and one MetricRecord")
+        return error_reply(message, "the reply must hold exactly one ArrayRecord and one MetricRecord")
     name, record = metric_records[0]
     reply.content[name] = MetricRecord({**dict(record), **metrics})
     return reply
@@ -195,7 +195,7 @@ def guard_mod_from_run_config(prefix: str = "guard-") -> Mod:
             try:
                 guards[key] = Guard(GuardConfig(**values))
             except ValueError as error:
-                return _error_reply(message, f"bad guard configuration: {error}")
+                return error_reply(message, f"bad guard configuration: {error}")
         return _guarded_call(guards[key], message, context, call_next)
 
     return mod

@@ -8,6 +8,8 @@ a Flower 1.41 Message-API ``Strategy``. It delegates every decision to the wrapp
 2. ``aggregate_train`` sees the replies *before* the wrapped strategy aggregates them, turns each
    chosen client's upload into the batch gradient (``delta_to_gradient``: ``(θ0 − θK) / (K·lr)``,
    exact for FedSGD, K = 1), and queues one attack job per (client, attack);
+   A server may also choose its victims' local hyperparameters (``victim_config``, e.g. one
+   local step on one sample): it sends the train config, so this is within its power;
 3. each job runs ``flguard.attacks.reconstruct`` — on a background thread unless
    ``blocking=True`` — scores the reconstruction against the client's true batch when the
    simulation-only channel (``flguard.flower.truth``) provides it, and appends one row to
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
@@ -47,7 +49,7 @@ log = logging.getLogger(__name__)
 # Columns of attacks.csv (attacks.jsonl rows carry the same keys).
 ROW_FIELDS = ("round", "node_id", "partition_id", "attack", "method", "batch_size", "local_steps", "lr",
               "iterations", "restarts", "labels_from", "scored", "psnr", "ssim", "mse", "rmse", "rmse_input",
-              "lpips", "label_accuracy", "loss", "seconds", "status", "error", "image")
+              "lpips", "label_accuracy", "loss", "seconds", "status", "error", "image", "tensors", "true_labels")
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,19 @@ def first_clients(count: int) -> TargetSelector:
     return lambda server_round, node_ids: sorted(node_ids)[:count]
 
 
+def _with_config(content: RecordDict, values: Mapping[str, Any]) -> RecordDict:
+    """A copy of a train message's content whose ConfigRecord(s) carry ``values`` on top.
+
+    Strategies often send one shared RecordDict to every node; the victim gets its own.
+    """
+    copy = RecordDict({name: record for name, record in content.array_records.items()})
+    for name, record in content.config_records.items():
+        copy[name] = ConfigRecord({**dict(record), **dict(values)})
+    for name, record in content.metric_records.items():
+        copy[name] = record
+    return copy
+
+
 def _state(record: ArrayRecord) -> dict[str, torch.Tensor]:
     return {key: tensor.clone() for key, tensor in record.to_torch_state_dict().items()}
 
@@ -159,7 +174,8 @@ class MaliciousServer(Strategy):
                  decoder: UpdateDecoder = delta_to_gradient,
                  normalization: tuple[Sequence[float], Sequence[float]] | None = None,
                  truth_dir: str | Path | None = None, blocking: bool = False, save_images: bool = True,
-                 device: str | torch.device | None = None) -> None:
+                 device: str | torch.device | None = None, victim_config: Mapping[str, Any] | None = None,
+                 on_row: Callable[[dict[str, Any]], None] | None = None) -> None:
         if not attacks:
             raise ValueError("MaliciousServer needs at least one AttackSpec")
         self.strategy = strategy
@@ -177,7 +193,10 @@ class MaliciousServer(Strategy):
         self.blocking = blocking
         self.save_images = save_images
         self.device = device
+        self.victim_config = dict(victim_config or {})
+        self.on_row = on_row
         self.results: list[dict[str, Any]] = []
+        self._victims: dict[int, set[int]] = {}
         self._sent: dict[int, dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]] = {}
         self._reader: TruthReader | None = None
         self._truth_checked = False
@@ -205,6 +224,11 @@ class MaliciousServer(Strategy):
             except TruthChannelRefused as refusal:  # deployment: attack anyway, just without scores
                 log.warning("true-batch channel off: %s", refusal)
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        if self.victim_config:
+            self._victims[server_round] = set(self.select(server_round, [m.metadata.dst_node_id for m in messages]))
+            for message in messages:
+                if message.metadata.dst_node_id in self._victims[server_round]:
+                    message.content = _with_config(message.content, self.victim_config)
         states: dict[int, dict[str, torch.Tensor]] = {}
         sent: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
         for message in messages:
@@ -224,7 +248,9 @@ class MaliciousServer(Strategy):
         if self.rounds is None or server_round in self.rounds:
             usable = {r.metadata.src_node_id: r for r in replies
                       if not r.has_error() and len(r.content.array_records) == 1 and r.metadata.src_node_id in sent}
-            for node_id in self.select(server_round, list(usable)):
+            victims = self._victims.pop(server_round, None)
+            chosen = self.select(server_round, list(usable)) if victims is None else sorted(victims & set(usable))
+            for node_id in chosen:
                 self._capture(server_round, usable[node_id], *sent[node_id])
         return self.strategy.aggregate_train(server_round, replies)
 
@@ -311,8 +337,11 @@ class MaliciousServer(Strategy):
                 scores = score_batch(truth.inputs, images, self.to_pixels, truth.labels, rec.labels)
                 images = images[scores.pop("permutation")]  # in the true batch's order
                 row.update(scores, scored=True)
+            if truth is not None:
+                row["true_labels"] = " ".join(str(int(v)) for v in truth.labels.view(-1))
             if self.save_images:
                 row["image"] = self._save_grid(server_round, node_id, spec, images, truth)
+                row["tensors"] = self._save_tensors(server_round, node_id, spec, images, truth)
         except Exception as error:  # one failed attack must not stop the FL run or the other jobs
             log.exception("attack %s on node %s, round %s failed", spec.label, node_id, server_round)
             row.update(status="error", error=f"{type(error).__name__}: {error}")
@@ -345,6 +374,17 @@ class MaliciousServer(Strategy):
         save_grid(rows, path)
         return str(path.relative_to(self.out_dir))
 
+    def _save_tensors(self, server_round: int, node_id: int, spec: AttackSpec, images: torch.Tensor,
+                      truth: TrueBatch | None) -> str:
+        """The reconstruction (and the true batch, in simulation) in pixels, for reports to lay out."""
+        payload = {"reconstruction": self.to_pixels(images).clamp(0, 1).half()}
+        if truth is not None and truth.inputs.shape == images.shape:
+            payload["original"] = self.to_pixels(truth.inputs).clamp(0, 1).half()
+        path = self.out_dir / "images" / f"round-{server_round:04d}_node-{node_id}_{spec.label}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(payload, path)
+        return str(path.relative_to(self.out_dir))
+
     def _append(self, row: dict[str, Any]) -> dict[str, Any]:
         """Append one row to attacks.jsonl and attacks.csv (a header when the CSV is new)."""
         row = {key: row.get(key) for key in ROW_FIELDS}
@@ -360,6 +400,8 @@ class MaliciousServer(Strategy):
                     writer.writeheader()
                 writer.writerow({k: "" if v is None else v for k, v in row.items()})
             self.results.append(row)
+        if self.on_row is not None:
+            self.on_row(row)
         return row
 
     def __getattr__(self, name: str) -> Any:

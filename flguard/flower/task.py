@@ -14,6 +14,7 @@ Local training is plain SGD without momentum or weight decay, so one local step 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -38,8 +39,11 @@ ARRAYS_KEY = "arrays"
 CONFIG_KEY = "config"
 METRICS_KEY = "metrics"
 # The metric keys every train reply carries, every round (FedAvg refuses inconsistent keys).
-TRAIN_METRIC_KEYS = ("num-examples", "train-loss")
-EVALUATE_METRIC_KEYS = ("num-examples", "eval-loss", "eval-acc")
+# ``grad-norm`` is the mean norm of the local steps' gradients before any guard (what ``guard_rel_noise``
+# already implies), ``train-seconds`` the local training time without the guard's own time, and
+# ``partition-id`` the simulated client's index (it lets comparisons line clients up across runs).
+TRAIN_METRIC_KEYS = ("num-examples", "train-loss", "grad-norm", "train-seconds", "partition-id")
+EVALUATE_METRIC_KEYS = ("num-examples", "eval-loss", "eval-acc", "partition-id")
 
 
 def dataclass_from_config(cls, *configs: Mapping[str, Any] | None):
@@ -156,6 +160,8 @@ class LocalUpdate:
     loss: float
     steps: int
     batch_size: int
+    grad_norm: float = 0.0  # mean over steps of the unguarded gradient norm
+    seconds: float = 0.0  # local training time, the guard's own time excluded
 
 
 def batch_generator(settings: TaskSettings, server_round: int, partition_id: int) -> torch.Generator:
@@ -174,7 +180,8 @@ def local_sgd(model: nn.Module, data: ImageDataset, *, lr: float, steps: int, ba
     if steps < 1 or batch_size < 1 or lr <= 0:
         raise ValueError(f"local-steps={steps}, batch-size={batch_size} and lr={lr} must be positive")
     size = min(batch_size, len(data))
-    inputs, labels, losses = [], [], []
+    inputs, labels, losses, norms = [], [], [], []
+    guard_time, start_time = 0.0, time.perf_counter()
     params = [p for p in model.parameters() if p.requires_grad]
     order = torch.randperm(len(data), generator=generator)
     model.train()
@@ -183,14 +190,19 @@ def local_sgd(model: nn.Module, data: ImageDataset, *, lr: float, steps: int, ba
         index = order[start:start + size]
         x, y = data.normalize(data.images[index]), data.labels[index]
         loss = nn.functional.cross_entropy(model(x), y)
-        grads = guard_step(model, x, y, torch.autograd.grad(loss, params))  # identity without guard_mod
+        grads = torch.autograd.grad(loss, params)
+        norms.append(float(torch.sqrt(sum(g.detach().pow(2).sum() for g in grads))))
+        guard_start = time.perf_counter()
+        grads = guard_step(model, x, y, grads)  # identity without guard_mod
+        guard_time += time.perf_counter() - guard_start
         with torch.no_grad():
             for p, g in zip(params, grads):
                 p.sub_(lr * g)
         inputs.append(x)
         labels.append(y)
         losses.append(float(loss.detach()))
-    return LocalUpdate(torch.cat(inputs), torch.cat(labels), float(np.mean(losses)), steps, size)
+    return LocalUpdate(torch.cat(inputs), torch.cat(labels), float(np.mean(losses)), steps, size,
+                       float(np.mean(norms)), time.perf_counter() - start_time - guard_time)
 
 
 @torch.no_grad()
@@ -216,15 +228,19 @@ def node_partition(context_node_config: Mapping[str, Any], settings: TaskSetting
     return int(context_node_config["partition-id"]), count
 
 
-def train_reply(message: Message, model: nn.Module, update: LocalUpdate) -> Message:
+def train_reply(message: Message, model: nn.Module, update: LocalUpdate, partition_id: int = -1) -> Message:
     """The train reply: one ArrayRecord (the local model) and one MetricRecord with fixed keys."""
-    metrics = MetricRecord({"num-examples": int(update.labels.numel()), "train-loss": float(update.loss)})
+    metrics = MetricRecord({"num-examples": int(update.labels.numel()), "train-loss": float(update.loss),
+                            "grad-norm": float(update.grad_norm), "train-seconds": float(update.seconds),
+                            "partition-id": int(partition_id)})
     return Message(RecordDict({ARRAYS_KEY: to_arrays(model), METRICS_KEY: metrics}), reply_to=message)
 
 
-def evaluate_reply(message: Message, loss: float, accuracy: float, num_examples: int) -> Message:
+def evaluate_reply(message: Message, loss: float, accuracy: float, num_examples: int,
+                   partition_id: int = -1) -> Message:
     """The evaluate reply: one MetricRecord with fixed keys."""
-    metrics = MetricRecord({"num-examples": int(num_examples), "eval-loss": float(loss), "eval-acc": float(accuracy)})
+    metrics = MetricRecord({"num-examples": int(num_examples), "eval-loss": float(loss), "eval-acc": float(accuracy),
+                            "partition-id": int(partition_id)})
     return Message(RecordDict({METRICS_KEY: metrics}), reply_to=message)
 
 
@@ -250,7 +266,7 @@ def handle_train(message: Message, context: Context, settings: TaskSettings, *,
     update = local_sgd(model, train_data, lr=settings.lr, steps=settings.local_steps,
                        batch_size=settings.batch_size, generator=generator)
     record_batch(context, server_round, update.inputs, update.labels, directory=truth_dir)
-    return train_reply(message, model, update)
+    return train_reply(message, model, update, partition_id)
 
 
 def handle_evaluate(message: Message, context: Context, settings: TaskSettings) -> Message:
@@ -259,4 +275,11 @@ def handle_evaluate(message: Message, context: Context, settings: TaskSettings) 
     _, test_data = load_partition(settings, partition_id, count)
     model = load_arrays(make_model(settings), message.content.array_records[ARRAYS_KEY])
     loss, accuracy = evaluate_model(model, test_data)
-    return evaluate_reply(message, loss, accuracy, len(test_data))
+    return evaluate_reply(message, loss, accuracy, len(test_data), partition_id)
+
+
+def handle_query(message: Message, context: Context, settings: TaskSettings) -> Message:
+    """Answer a query with this node's partition id (simulation bookkeeping: which client is which)."""
+    partition_id, count = node_partition(context.node_config, settings)
+    return Message(RecordDict({METRICS_KEY: MetricRecord({"partition-id": partition_id, "num-partitions": count})}),
+                   reply_to=message)

@@ -1,0 +1,173 @@
+"""The comparison config: one TOML file, validated by pydantic, with errors that name the field.
+
+A config says what to train (``[task]``), how the malicious server attacks (``[attack]``) and which
+defenses to compare (``[[defenses]]``, one Flower simulation each). ``run_config`` turns it into
+the run-config keys of ``flguard.flower.apps`` — the same keys ``flwr run simulations/ --run-config``
+takes, so one config drives the Ray simulation and the deployment engine alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from flguard.config import ConfigError, StrictModel
+from flguard.flower.dp import LocalDpConfig
+from flguard.guard_config import GuardConfig
+
+#: Defenses the guard implements (``guard-*`` run-config keys); ``localdp`` is Flower's LocalDpMod.
+GUARD_DEFENSES = ("none", "gaussian", "eigen", "fixed-gaussian", "pruning")
+LOCALDP_FIELDS = ("clipping_norm", "sensitivity", "epsilon", "delta")
+GUARD_FIELDS = ("min_rmse", "eps_mode", "eps", "max_rel_noise", "on_unmet", "seed", "subspace_size", "krylov_steps",
+                "rtol", "sigma", "keep_ratio")
+#: The config shipped as ``flguard demo``.
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "simulations" / "default.toml"
+
+
+class TaskSection(StrictModel):
+    """The federated task every defense's run shares (same seeds, partitions, initial model)."""
+
+    dataset: Literal["mnist5k", "lfw-faces", "digits", "mnist", "fashion-mnist", "cifar10"] = "mnist5k"
+    model: str = "lenet"
+    init: Literal["default", "uniform", "normal", "kaiming", "xavier"] = "uniform"
+    clients: int = Field(4, ge=2, le=64, description="simulated SuperNodes, one partition each")
+    partitioning: Literal["iid", "dirichlet"] = "dirichlet"
+    alpha: float = Field(0.5, gt=0.0, description="Dirichlet concentration (smaller = more skewed)")
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="share of each client's data kept for its test split")
+    rounds: int = Field(5, ge=1)
+    local_steps: int = Field(1, ge=1, description="guarded SGD steps per round")
+    batch_size: int = Field(8, ge=1)
+    lr: float = Field(0.1, gt=0.0)
+
+
+class AttackSection(StrictModel):
+    """The malicious server: which attack, on how many clients per round, with what knowledge."""
+
+    method: Literal["gs", "dlg", "rgap", "hybrid"] = "gs"
+    iterations: int = Field(300, ge=1)
+    restarts: int = Field(1, ge=1)
+    labels: Literal["recover", "true"] = "recover"
+    clients_per_round: int = Field(1, ge=0, description="0: attack nobody (no malicious server)")
+    victim_batch_size: int = Field(0, ge=0, description=">0: the server asks its victims for this batch size")
+    victim_local_steps: int = Field(0, ge=0, description=">0: ... and this many local steps")
+    hyperparameters: dict[str, float | int | str | bool] = Field(default_factory=dict)
+
+
+class DefenseSpec(StrictModel):
+    """One defense to compare: a guard defense (its GuardConfig fields) or Flower's LocalDpMod."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="a label; also the run directory's name")
+    defense: Literal["none", "gaussian", "eigen", "fixed-gaussian", "pruning", "localdp"]
+    # GuardConfig fields (validated by GuardConfig itself)
+    min_rmse: float | None = None
+    eps_mode: str | None = None
+    eps: float | None = None
+    max_rel_noise: float | None = None
+    on_unmet: str | None = None
+    seed: int | None = None
+    subspace_size: int | None = None
+    krylov_steps: int | None = None
+    rtol: float | None = None
+    sigma: float | None = None
+    keep_ratio: float | None = None
+    # LocalDpMod fields
+    clipping_norm: float | None = None
+    sensitivity: float | None = None
+    epsilon: float | None = None
+    delta: float | None = None
+
+    def values(self, names: tuple[str, ...]) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    @model_validator(mode="after")
+    def _fits_its_defense(self) -> "DefenseSpec":
+        guard_values, dp_values = self.values(GUARD_FIELDS), self.values(LOCALDP_FIELDS)
+        if self.defense == "localdp":
+            if guard_values:
+                raise ValueError(f"defense 'localdp' (Flower's LocalDpMod) takes {', '.join(LOCALDP_FIELDS)}, "
+                                 f"not {', '.join(guard_values)}")
+            LocalDpConfig(**dp_values)
+        else:
+            if dp_values:
+                raise ValueError(f"{', '.join(dp_values)} belong to defense 'localdp', not {self.defense!r}")
+            if self.defense != "none":
+                GuardConfig(defense=self.defense, **guard_values)
+        return self
+
+
+class CompareConfig(StrictModel):
+    """A whole comparison (see docs/configuration.md for every field)."""
+
+    name: str = "comparison"
+    seed: int = 0
+    device: str = Field("auto", description="the attacks' device: auto (CUDA when present), cpu, cuda")
+    round_timeout: float = Field(3600.0, gt=0.0)
+    task: TaskSection = Field(default_factory=TaskSection)
+    attack: AttackSection = Field(default_factory=AttackSection)
+    defenses: list[DefenseSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "CompareConfig":
+        names = [d.name for d in self.defenses]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"defense names must be unique; repeated: {', '.join(duplicates)}")
+        return self
+
+    def defense(self, name: str) -> DefenseSpec:
+        for spec in self.defenses:
+            if spec.name == name:
+                return spec
+        raise ConfigError(f"CompareConfig.defenses: no defense named {name!r} "
+                          f"(have {', '.join(d.name for d in self.defenses)})")
+
+    def run_config(self, spec: DefenseSpec) -> dict[str, bool | float | int | str]:
+        """The run-config keys of ``flguard.flower.apps`` for one defense's run."""
+        task, attack = self.task, self.attack
+        config: dict[str, bool | float | int | str] = {
+            "num-server-rounds": task.rounds, "model": task.model, "dataset": task.dataset, "init": task.init,
+            "seed": self.seed, "num-partitions": task.clients, "partitioning": task.partitioning,
+            "alpha": task.alpha, "test-fraction": task.test_fraction, "lr": task.lr,
+            "local-steps": task.local_steps, "batch-size": task.batch_size, "min-nodes": task.clients,
+            "round-timeout": self.round_timeout, "malicious": attack.clients_per_round > 0,
+            "attack-method": attack.method, "attack-iterations": attack.iterations,
+            "attack-restarts": attack.restarts, "attack-labels": attack.labels,
+            "attack-targets": attack.clients_per_round, "attack-rotate": True, "attack-device": self.device,
+            "victim-batch-size": attack.victim_batch_size, "victim-local-steps": attack.victim_local_steps,
+        }
+        config.update({f"attack-hp-{k.replace('_', '-')}": v for k, v in attack.hyperparameters.items()})
+        if spec.defense == "localdp":
+            config.update({f"localdp-{k.replace('_', '-')}": v for k, v in spec.values(LOCALDP_FIELDS).items()})
+        elif spec.defense != "none":
+            config["guard-defense"] = spec.defense
+            config.update({f"guard-{k.replace('_', '-')}": v for k, v in spec.values(GUARD_FIELDS).items()})
+        return config
+
+    def fingerprint(self, spec: DefenseSpec) -> str:
+        """A hash of everything that defines one defense's run (a changed config is rerun)."""
+        return hashlib.sha256(json.dumps(self.run_config(spec), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_config(path: str | Path) -> CompareConfig:
+    """Read and validate a comparison TOML file; errors name the file and the field."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: not valid TOML: {error}") from None
+    try:
+        return CompareConfig(**data)
+    except ConfigError as error:
+        raise ConfigError(f"{path}:\n{error}") from None
+
+
+def run_config_string(config: dict[str, Any]) -> str:
+    """The ``--run-config`` argument of ``flwr run`` for a run-config mapping."""
+    return " ".join(f"{key}={json.dumps(value)}" for key, value in config.items())

@@ -1,0 +1,177 @@
+"""Merge the defense runs into the comparison's tables: ``rounds.csv`` and ``summary.csv``.
+
+``rounds.csv`` has one row per (round, defense, client) — the client's evaluation of the global
+model after that round, what its upload cost and carried (gradient norm, noise, predicted floor),
+and, where the malicious server attacked that client, how well the attack did. ``summary.csv`` has
+one row per defense. Units: ``min_pred_rmse`` and ``attack_rmse`` are per-sample RMSEs in the
+model's input units (the unit of the guard's τ); ``attack_rmse_pixels`` is in pixels ([0, 1]).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from flguard.compare.config import CompareConfig
+from flguard.flower.apps import SUMMARY_FILE
+
+#: Fixed leading columns of rounds.csv (external checks read them); more follow.
+ROUND_COLUMNS = ("round", "defense", "client", "test_accuracy", "test_loss", "grad_norm", "noise_norm", "rel_noise",
+                 "min_pred_rmse", "attack_method", "attack_psnr", "attack_ssim", "attack_rmse", "guard_seconds",
+                 "train_seconds")
+EXTRA_ROUND_COLUMNS = ("kind", "num_examples", "train_loss", "guard_met", "error", "median_pred_rmse",
+                       "attack_rmse_pixels", "attack_label_accuracy", "attack_batch_size", "attack_seconds",
+                       "attack_labels", "attack_image")
+SUMMARY_COLUMNS = ("defense", "kind", "tau", "rounds", "final_accuracy", "final_loss", "attacks", "attack_psnr_min",
+                   "attack_psnr_median", "attack_psnr_best", "attack_ssim_best", "attack_rmse_min", "tau_met_share",
+                   "mean_rel_noise", "mean_noise_norm", "guard_overhead", "guard_seconds", "train_seconds",
+                   "dropped_updates", "run_seconds")
+
+
+def _number(value: Any) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def read_attack_rows(directory: Path) -> list[dict[str, str]]:
+    path = directory / "attacks.csv"
+    if not path.exists():
+        return []
+    with path.open(encoding="utf-8", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _noise(metrics: Mapping[str, Any]) -> tuple[float, float]:
+    """(noise_norm, rel_noise) from the guard's keys or the measured LocalDpMod keys; 0 without a defense."""
+    for norm_key, rel_key in (("guard_noise_norm", "guard_rel_noise"), ("dp_noise_norm", "dp_rel_noise")):
+        if norm_key in metrics:
+            return float(metrics[norm_key]), float(metrics[rel_key])
+    return 0.0, 0.0
+
+
+def _pred(metrics: Mapping[str, Any], key: str, kind: str) -> float | None:
+    """The guard's predicted floor; 0 for an undefended update (a perfect attacker recovers it exactly),
+    empty where nothing was predicted (LocalDpMod's noise is not scored)."""
+    if key in metrics:
+        value = float(metrics[key])
+        return value if value >= 0 else None
+    return 0.0 if kind == "none" else None
+
+
+def defense_rows(config: CompareConfig, name: str, directory: Path) -> list[dict[str, Any]]:
+    """rounds.csv rows of one defense's finished run."""
+    spec = config.defense(name)
+    summary = json.loads((directory / SUMMARY_FILE).read_text())
+    partitions = {int(k): int(v) for k, v in summary.get("partitions", {}).items()}
+    attacks = {(int(r["round"]), int(r["node_id"])): r for r in read_attack_rows(directory)}
+    train = summary.get("train_replies", {})
+    evaluate = summary.get("evaluate_replies", {})
+    rows = []
+    for server_round in sorted({int(r) for r in (*train, *evaluate)}):
+        replies_t, replies_e = train.get(str(server_round), {}), evaluate.get(str(server_round), {})
+        for node in sorted({int(n) for n in (*replies_t, *replies_e)}):
+            t, e = replies_t.get(str(node), {}), replies_e.get(str(node), {})
+            reported = _number(t.get("partition-id", e.get("partition-id")))
+            client = partitions.get(node, int(reported) if reported is not None else -1)
+            noise_norm, rel_noise = _noise(t) if "error" not in t else (None, None)
+            attack = attacks.get((server_round, node), {})
+            row = {
+                "round": server_round, "defense": name, "client": client,
+                "test_accuracy": _number(e.get("eval-acc")), "test_loss": _number(e.get("eval-loss")),
+                "grad_norm": _number(t.get("grad-norm")), "noise_norm": noise_norm, "rel_noise": rel_noise,
+                "min_pred_rmse": _pred(t, "guard_min_rmse_after", spec.defense) if "error" not in t else None,
+                "attack_method": attack.get("method") or None, "attack_psnr": _number(attack.get("psnr")),
+                "attack_ssim": _number(attack.get("ssim")), "attack_rmse": _number(attack.get("rmse_input")),
+                "guard_seconds": _number(t.get("guard_seconds", 0.0 if "error" not in t else None)),
+                "train_seconds": _number(t.get("train-seconds")),
+                "kind": spec.defense, "num_examples": _number(t.get("num-examples")),
+                "train_loss": _number(t.get("train-loss")), "guard_met": _number(t.get("guard_met")),
+                "error": t.get("error") or attack.get("error") or None,
+                "median_pred_rmse": _pred(t, "guard_median_rmse_after", spec.defense) if "error" not in t else None,
+                "attack_rmse_pixels": _number(attack.get("rmse")),
+                "attack_label_accuracy": _number(attack.get("label_accuracy")),
+                "attack_batch_size": _number(attack.get("batch_size")), "attack_seconds": _number(attack.get("seconds")),
+                "attack_labels": attack.get("true_labels") or None,
+                "attack_image": f"runs/{name}/{attack['tensors']}" if attack.get("tensors") else None,
+            }
+            rows.append(row)
+    return rows
+
+
+def tau_of(config: CompareConfig, name: str) -> float | None:
+    """The floor a defense is held to: its own τ, else the comparison's (largest) guard τ."""
+    from flguard.guard_config import GuardConfig, THRESHOLD_DEFENSES
+
+    spec = config.defense(name)
+    if spec.defense in THRESHOLD_DEFENSES:
+        return spec.min_rmse if spec.min_rmse is not None else GuardConfig().min_rmse
+    taus = [tau_of(config, d.name) for d in config.defenses if d.defense in THRESHOLD_DEFENSES]
+    return max(taus) if taus else None
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summary_row(config: CompareConfig, name: str, rows: Sequence[Mapping[str, Any]],
+                run_summary: Mapping[str, Any]) -> dict[str, Any]:
+    """One defense's summary.csv row from its rounds.csv rows and its run summary."""
+    spec, tau = config.defense(name), tau_of(config, name)
+    attacked = [r for r in rows if r["attack_method"]]
+    psnr = [r["attack_psnr"] for r in attacked if r["attack_psnr"] is not None]
+    rmse = [r["attack_rmse"] for r in attacked if r["attack_rmse"] is not None]
+    ssim = [r["attack_ssim"] for r in attacked if r["attack_ssim"] is not None]
+    uploads = [r for r in rows if r["rel_noise"] is not None]
+    guard_s = sum(r["guard_seconds"] or 0.0 for r in uploads)
+    train_s = sum(r["train_seconds"] or 0.0 for r in uploads)
+    last = max((int(k) for k in run_summary.get("evaluate_metrics", {})), default=None)
+    final = run_summary.get("evaluate_metrics", {}).get(str(last), {}) if last is not None else {}
+    return {
+        "defense": name, "kind": spec.defense, "tau": tau, "rounds": config.task.rounds,
+        "final_accuracy": _number(final.get("eval-acc")), "final_loss": _number(final.get("eval-loss")),
+        "attacks": len(attacked), "attack_psnr_min": min(psnr, default=None), "attack_psnr_median": _median(psnr),
+        "attack_psnr_best": max(psnr, default=None), "attack_ssim_best": max(ssim, default=None),
+        "attack_rmse_min": min(rmse, default=None),
+        "tau_met_share": (sum(v >= tau for v in rmse) / len(rmse)) if rmse and tau is not None else None,
+        "mean_rel_noise": statistics.fmean(r["rel_noise"] for r in uploads) if uploads else None,
+        "mean_noise_norm": statistics.fmean(r["noise_norm"] for r in uploads) if uploads else None,
+        "guard_overhead": guard_s / train_s if train_s > 0 else None, "guard_seconds": guard_s,
+        "train_seconds": train_s, "dropped_updates": sum(1 for r in rows if r["error"] and r["rel_noise"] is None),
+        "run_seconds": _number(run_summary.get("seconds")),
+    }
+
+
+def write_csv(path: Path, columns: Sequence[str], rows: Iterable[Mapping[str, Any]]) -> Path:
+    with path.open("w", encoding="utf-8", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(columns), extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in columns})
+    return path
+
+
+def build_tables(config: CompareConfig, out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Write ``rounds.csv`` and ``summary.csv`` for every finished defense run; returns their rows."""
+    from flguard.compare.runner import run_directory
+
+    out = Path(out)
+    all_rows, summaries = [], []
+    for spec in config.defenses:
+        directory = run_directory(out, spec)
+        if not (directory / SUMMARY_FILE).exists():
+            continue
+        rows = defense_rows(config, spec.name, directory)
+        all_rows.extend(rows)
+        summaries.append(summary_row(config, spec.name, rows, json.loads((directory / SUMMARY_FILE).read_text())))
+    all_rows.sort(key=lambda r: (r["round"], [d.name for d in config.defenses].index(r["defense"]), r["client"]))
+    write_csv(out / "rounds.csv", ROUND_COLUMNS + EXTRA_ROUND_COLUMNS, all_rows)
+    write_csv(out / "summary.csv", SUMMARY_COLUMNS, summaries)
+    return all_rows, summaries

@@ -1,0 +1,285 @@
+"""The Flower apps every flguard run uses: a ClientApp and a ServerApp built on ``flguard.flower.task``.
+
+Both read one run config (``[tool.flwr.app.config]`` of ``simulations/pyproject.toml``, a
+``flwr run --run-config`` string, or the ``overrides`` mapping that in-process simulations pass,
+because ``flwr.simulation.run_simulation`` has no run config). ``simulations/flguard_sim`` is a thin
+Flower App project over these factories, and ``flguard compare`` runs them once per defense.
+
+Client side: the train handler runs ``task.handle_train`` (local SGD, ``guard_step`` on every step);
+the defenses attach as mods from the same config: ``guard-<field>`` keys configure the guard
+(``flguard.flower.guard_mod``), ``localdp-<field>`` keys Flower's own ``LocalDpMod``.
+
+Server side: FedAvg that logs every reply (``LoggedFedAvg``), wrapped by ``MaliciousServer`` when
+``malicious = true``. With an ``out-dir`` it writes ``summary.json`` (per-reply metrics, attack
+rows, the run config) at the end: a run directory with ``summary.json`` is a finished run.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from flwr.app import ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import ClientAppCallable, Mod
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg, Strategy
+from flwr.serverapp.strategy.result import Result
+
+from flguard.flower import task
+from flguard.flower.dp import localdp_mod_from_config
+from flguard.flower.guard_mod import guard_mod_from_run_config
+from flguard.flower.malicious import AttackSpec, MaliciousServer, TargetSelector
+from flguard.flower.truth import TRUTH_DIR_KEY, resolve_path
+
+log = logging.getLogger(__name__)
+
+#: Run-config keys ``attack-hp-<name>`` become attack hyperparameters (e.g. ``attack-hp-tv = 0.01``).
+ATTACK_HP_PREFIX = "attack-hp-"
+SUMMARY_FILE = "summary.json"
+
+# (event, payload): "round" with {"round", "metrics"}, "attack" with an attack row.
+EventHook = Callable[[str, Mapping[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Server-side run-config keys (field ``foo_bar`` is key ``foo-bar``)."""
+
+    num_server_rounds: int = 3
+    fraction_train: float = 1.0
+    fraction_evaluate: float = 1.0
+    min_nodes: int = 2
+    round_timeout: float = 3600.0
+    malicious: bool = True
+    attack_method: str = "gs"
+    attack_iterations: int = 200
+    attack_restarts: int = 1
+    attack_labels: str = "recover"
+    attack_targets: int = 0  # 0: every client that replied; k: k clients per round
+    attack_rotate: bool = False  # k clients per round, taken in turn by partition id (same client in every run)
+    attack_device: str = "auto"
+    attack_blocking: bool = False
+    victim_batch_size: int = 0  # >0: the server asks its targets for this batch size (it sends the train config)
+    victim_local_steps: int = 0  # >0: ... and this many local steps
+    out_dir: str = "malicious-server"
+    sim_truth_dir: str = ""
+
+    @classmethod
+    def from_config(cls, *configs: Mapping[str, Any] | None) -> "ServerSettings":
+        return task.dataclass_from_config(cls, *configs)
+
+
+def merged_config(context: Context, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The run config updated by ``overrides`` (in-process simulations have no run config)."""
+    return {**dict(context.run_config), **dict(overrides or {})}
+
+
+# ---- client ------------------------------------------------------------------------------
+def config_mods(overrides: Mapping[str, Any] | None = None) -> list[Mod]:
+    """The defenses the config asks for, outermost first: the guard, then Flower's LocalDpMod.
+
+    Both are inert unless their keys are set (``guard-defense``; ``localdp-epsilon``).
+    """
+    return [_with_overrides(guard_mod_from_run_config(), overrides),
+            _with_overrides(localdp_mod_from_config(), overrides)]
+
+
+def _with_overrides(mod: Mod, overrides: Mapping[str, Any] | None) -> Mod:
+    if not overrides:
+        return mod
+
+    def wrapped(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        view = Context(run_id=context.run_id, node_id=context.node_id, node_config=context.node_config,
+                       state=context.state, run_config={**dict(context.run_config), **dict(overrides)})
+        return mod(message, view, lambda m, _: call_next(m, context))
+
+    return wrapped
+
+
+def make_client_app(overrides: Mapping[str, Any] | None = None, mods: Sequence[Mod] | None = None) -> ClientApp:
+    """A ClientApp whose settings are the run config updated by ``overrides``.
+
+    ``mods=None`` attaches the defenses the config asks for (``config_mods``); pass a list to choose
+    them yourself (``[]`` for none). ``overrides`` may enable the simulation-only true-batch channel
+    with ``sim-truth-dir``.
+    """
+    overrides = dict(overrides or {})
+    app = ClientApp(mods=config_mods(overrides) if mods is None else list(mods))
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        settings = task.settings_from(context, overrides)
+        return task.handle_train(message, context, settings, truth_dir=overrides.get(TRUTH_DIR_KEY) or None)
+
+    @app.evaluate()
+    def evaluate(message: Message, context: Context) -> Message:
+        return task.handle_evaluate(message, context, task.settings_from(context, overrides))
+
+    @app.query()
+    def query(message: Message, context: Context) -> Message:
+        return task.handle_query(message, context, task.settings_from(context, overrides))
+
+    return app
+
+
+# ---- server ------------------------------------------------------------------------------
+def _reply_metrics(reply: Message) -> dict[str, Any]:
+    if reply.has_error():
+        return {"error": reply.error.reason}
+    return {k: v for record in reply.content.metric_records.values() for k, v in record.items()}
+
+
+class LoggedFedAvg(FedAvg):
+    """FedAvg that keeps every train and evaluate reply's metrics (or error) per round and node.
+
+    Why: the aggregate can hide a single reply; summary.json lists each one, so a run can be
+    audited for updates that left a client without the guard's keys or with ``guard_met`` = 0,
+    and a comparison can report every client of every round.
+    """
+
+    def __init__(self, on_event: EventHook | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.on_event = on_event
+        self.train_replies: dict[int, dict[int, dict[str, Any]]] = {}
+        self.evaluate_replies: dict[int, dict[int, dict[str, Any]]] = {}
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        self.train_replies[server_round] = {r.metadata.src_node_id: _reply_metrics(r) for r in replies}
+        return super().aggregate_train(server_round, replies)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        replies = list(replies)
+        self.evaluate_replies[server_round] = {r.metadata.src_node_id: _reply_metrics(r) for r in replies}
+        metrics = super().aggregate_evaluate(server_round, replies)
+        if self.on_event is not None:
+            self.on_event("round", {"round": server_round, "metrics": dict(metrics or {})})
+        return metrics
+
+
+def discover_partitions(grid: Grid, expected: int, timeout: float = 120.0) -> dict[int, int]:
+    """Ask every node for its partition id (a query message): ``{node_id: partition_id}``.
+
+    Simulation bookkeeping for comparisons: it lets the server attack the same client (partition)
+    in every defense's run, although node ids are drawn anew per run.
+    """
+    deadline = time.monotonic() + timeout
+    node_ids = list(grid.get_node_ids())
+    while len(node_ids) < expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+        node_ids = list(grid.get_node_ids())
+    queries = [Message(RecordDict(), dst_node_id=node_id, message_type=MessageType.QUERY) for node_id in node_ids]
+    mapping = {}
+    for reply in grid.send_and_receive(queries, timeout=timeout):
+        if not reply.has_error():
+            metrics = _reply_metrics(reply)
+            mapping[reply.metadata.src_node_id] = int(metrics["partition-id"])
+    return mapping
+
+
+def rotating_targets(partitions: Mapping[int, int], count: int) -> TargetSelector:
+    """Round r attacks the ``count`` clients whose partition ids follow (r − 1)·count, cyclically."""
+    by_partition = {p: node for node, p in partitions.items()}
+    ordered = sorted(by_partition)
+
+    def select(server_round: int, node_ids: Sequence[int]) -> list[int]:
+        if not ordered:
+            return []
+        start = (server_round - 1) * count
+        wanted = [by_partition[ordered[(start + k) % len(ordered)]] for k in range(min(count, len(ordered)))]
+        return [node for node in wanted if node in set(node_ids)]
+
+    return select
+
+
+def attack_hyperparameters(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``attack-hp-<name>`` keys as ``{name: value}`` (dashes become underscores)."""
+    return {key[len(ATTACK_HP_PREFIX):].replace("-", "_"): value for key, value in config.items()
+            if key.startswith(ATTACK_HP_PREFIX)}
+
+
+def _victim_config(settings: ServerSettings) -> dict[str, Any]:
+    victim: dict[str, Any] = {}
+    if settings.victim_batch_size > 0:
+        victim[task.BATCH_SIZE_KEY] = settings.victim_batch_size
+    if settings.victim_local_steps > 0:
+        victim[task.LOCAL_STEPS_KEY] = settings.victim_local_steps
+    return victim
+
+
+def build_strategy(settings: ServerSettings, task_settings: task.TaskSettings, *, config: Mapping[str, Any] | None = None,
+                   targets: int | TargetSelector | None = None, on_event: EventHook | None = None) -> Strategy:
+    """FedAvg (logging each reply), wrapped by the malicious server when the run config asks."""
+    strategy: Strategy = LoggedFedAvg(on_event=on_event, fraction_train=settings.fraction_train,
+                                      fraction_evaluate=settings.fraction_evaluate,
+                                      min_train_nodes=settings.min_nodes, min_evaluate_nodes=settings.min_nodes,
+                                      min_available_nodes=settings.min_nodes)
+    if not settings.malicious:
+        return strategy
+    dataset = task.load_dataset(task_settings.dataset)
+    spec = AttackSpec(method=settings.attack_method, iterations=settings.attack_iterations,
+                      restarts=settings.attack_restarts, labels=settings.attack_labels, seed=task_settings.seed,
+                      hyperparameters=attack_hyperparameters(config or {}))
+    device = settings.attack_device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else None
+    return MaliciousServer(strategy, model_fn=functools.partial(task.make_model, task_settings),
+                           input_shape=dataset.shape, attacks=[spec], out_dir=resolve_path(settings.out_dir),
+                           targets=targets if targets is not None else (settings.attack_targets or None),
+                           truth_dir=resolve_path(settings.sim_truth_dir) if settings.sim_truth_dir else None,
+                           blocking=settings.attack_blocking, normalization=(dataset.mean, dataset.std),
+                           victim_config=_victim_config(settings), device=device,
+                           on_row=(lambda row: on_event("attack", row)) if on_event else None)
+
+
+def run_server(grid: Grid, context: Context, overrides: Mapping[str, Any] | None = None,
+               on_event: EventHook | None = None) -> Result:
+    """Run the configured rounds; returns Flower's ``Result`` (final arrays and metrics)."""
+    config = merged_config(context, overrides)
+    task_settings = task.TaskSettings.from_config(config)
+    settings = ServerSettings.from_config(config)
+    started = time.perf_counter()
+    partitions: dict[int, int] = {}
+    targets: int | TargetSelector | None = None
+    if settings.malicious and settings.attack_rotate:
+        partitions = discover_partitions(grid, settings.min_nodes, timeout=settings.round_timeout)
+        targets = rotating_targets(partitions, max(1, settings.attack_targets))
+    strategy = build_strategy(settings, task_settings, config=config, targets=targets, on_event=on_event)
+    model = task.make_model(task_settings)
+    result = strategy.start(grid=grid, initial_arrays=task.to_arrays(model), num_rounds=settings.num_server_rounds,
+                            timeout=settings.round_timeout, train_config=task_settings.train_config())
+    if isinstance(strategy, MaliciousServer):
+        logged = strategy.strategy
+        summary = {"rounds": settings.num_server_rounds, "attack_rows": len(strategy.results),
+                   "seconds": time.perf_counter() - started, "run_config": config,
+                   "task": asdict(task_settings), "partitions": partitions,
+                   "train_metrics": {r: dict(m) for r, m in result.train_metrics_clientapp.items()},
+                   "train_replies": logged.train_replies, "evaluate_replies": logged.evaluate_replies,
+                   "evaluate_metrics": {r: dict(m) for r, m in result.evaluate_metrics_clientapp.items()}}
+        strategy.out_dir.mkdir(parents=True, exist_ok=True)
+        (strategy.out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str))
+    return result
+
+
+def make_server_app(overrides: Mapping[str, Any] | None = None, on_result: Callable[[Result], None] | None = None,
+                    on_event: EventHook | None = None) -> ServerApp:
+    """A ServerApp whose settings are the run config updated by ``overrides``; ``on_result`` sees the
+    Result, ``on_event`` each finished round and attack (progress displays)."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        result = run_server(grid, context, overrides, on_event)
+        if on_result is not None:
+            on_result(result)
+
+    return app

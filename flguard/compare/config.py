@@ -141,6 +141,7 @@ class CompareConfig(StrictModel):
             "victim-batch-size": attack.victim_batch_size, "victim-local-steps": attack.victim_local_steps,
         }
         config.update({f"attack-hp-{k.replace('_', '-')}": v for k, v in attack.hyperparameters.items()})
+        config["guard-defense"] = ""  # unset unless a guard defense runs (the app's pyproject may set one)
         if spec.defense == "localdp":
             config.update({f"localdp-{k.replace('_', '-')}": v for k, v in spec.values(LOCALDP_FIELDS).items()})
         elif spec.defense != "none":

@@ -104,9 +104,23 @@ def run_defense(config: CompareConfig, spec: DefenseSpec, out: Path, *, progress
     return RunOutcome(spec.name, directory, False, seconds, summary)
 
 
+def attack_threads(config: CompareConfig) -> int:
+    """CPU threads for the server's attacks: the cores the simulated clients leave free, at least one.
+
+    Why: the attacks share the machine with one Ray worker per core; more intra-op threads than free
+    cores make torch's threads wait on each other (seen on 2 busy cores: 45–133 s per GS attack
+    that takes ~7 s on one free thread).
+    """
+    cores = os.cpu_count() or 1
+    return max(1, cores - min(cores, config.task.clients))
+
+
 def run_comparison(config: CompareConfig, out: Path, *, resume: bool = True, progress: ProgressHook | None = None,
                    verbose: bool = False, only: list[str] | None = None) -> list[RunOutcome]:
     """Run every defense (or those in ``only``), skipping finished runs when ``resume``."""
+    import torch
+
+    torch.set_num_threads(attack_threads(config))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     outcomes = []

@@ -38,7 +38,7 @@ def _number(value: Any) -> float | None:
         number = float(value)
     except (TypeError, ValueError):
         return None
-    return number if math.isfinite(number) else None
+    return None if math.isnan(number) else number  # inf stays: an exact reconstruction has PSNR = ∞
 
 
 def read_attack_rows(directory: Path) -> list[dict[str, str]]:

@@ -202,7 +202,7 @@ def rotating_targets(partitions: Mapping[int, int], count: int) -> TargetSelecto
 def attack_hyperparameters(config: Mapping[str, Any]) -> dict[str, Any]:
     """``attack-hp-<name>`` keys as ``{name: value}`` (dashes become underscores)."""
     return {key[len(ATTACK_HP_PREFIX):].replace("-", "_"): value for key, value in config.items()
-            if key.startswith(ATTACK_HP_PREFIX)}
+            if key.startswith(ATTACK_HP_PREFIX) and value != ""}
 
 
 def _victim_config(settings: ServerSettings) -> dict[str, Any]:

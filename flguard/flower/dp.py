@@ -85,13 +85,13 @@ def measured_local_dp(config: LocalDpConfig) -> Mod:
 def localdp_mod_from_config(prefix: str = "localdp-") -> Mod:
     """``measured_local_dp`` configured by run-config keys ``localdp-<field>`` (train messages only).
 
-    Inert without ``localdp-epsilon``; a bad value becomes an error reply naming the field.
+    Inert without ``localdp-epsilon`` (a key set to ``""`` counts as unset); a bad value becomes an error reply naming the field.
     """
     mods: dict[tuple, Mod] = {}
 
     def mod(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
         values = {key[len(prefix):].replace("-", "_"): value for key, value in context.run_config.items()
-                  if key.startswith(prefix)}
+                  if key.startswith(prefix) and value != ""}  # "" = unset
         if message.metadata.message_type.split(".")[0] != MessageType.TRAIN or "epsilon" not in values:
             return call_next(message, context)
         key = tuple(sorted(values.items()))

@@ -179,7 +179,8 @@ def guard_mod(config: GuardConfig | None = None) -> Mod:
 def guard_mod_from_run_config(prefix: str = "guard-") -> Mod:
     """Like ``guard_mod``, configured by run-config keys ``guard-<field>`` (e.g. ``guard-defense``,
     ``guard-min-rmse``) — for apps configured in pyproject's ``[tool.flwr.app.config]``. Without a
-    ``guard-defense`` key the mod is inert; a bad value is an error reply naming the field.
+    ``guard-defense`` key (or with ``""``) the mod is inert; a key set to ``""`` counts as unset; a
+    bad value is an error reply naming the field.
 
     The run config belongs to whoever submits the run (often the server's side) and can be
     overridden per run: use ``guard_mod(GuardConfig(...))`` when the server is not trusted."""
@@ -187,8 +188,8 @@ def guard_mod_from_run_config(prefix: str = "guard-") -> Mod:
 
     def mod(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
         values = {key[len(prefix):].replace("-", "_"): value for key, value in context.run_config.items()
-                  if key.startswith(prefix)}
-        if not _is_train(message) or "defense" not in values:
+                  if key.startswith(prefix) and value != ""}  # "" = unset (pyproject declares every key)
+        if not _is_train(message) or not values.get("defense"):
             return call_next(message, context)
         key = tuple(sorted(values.items()))
         if key not in guards:

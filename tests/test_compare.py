@@ -1,0 +1,205 @@
+"""``flguard compare``: config validation, and a tiny comparison end to end through Flower's simulation
+engine (Ray backend) via the real CLI — all output files with their fixed columns, numbers that
+must hold (the guard's floor, LocalDpMod's measured noise against its closed form, the victim's
+one-sample upload), and resume skipping finished runs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import tomllib
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flguard.cli import app
+from flguard.compare.config import DEFAULT_CONFIG, CompareConfig, load_config
+from flguard.compare.tables import ROUND_COLUMNS, SUMMARY_COLUMNS
+from flguard.config import ConfigError
+from flguard.models import create
+from conftest import SIMULATIONS
+
+TINY = """
+name = "tiny"
+seed = 0
+[task]
+dataset = "digits"
+model = "mlp"
+init = "uniform"
+clients = 2
+partitioning = "iid"
+rounds = 2
+local_steps = 2
+batch_size = 4
+lr = 0.1
+[attack]
+method = "gs"
+iterations = 8
+clients_per_round = 1
+victim_batch_size = 1
+victim_local_steps = 1
+[[defenses]]
+name = "none"
+defense = "none"
+[[defenses]]
+name = "dp"
+defense = "localdp"
+clipping_norm = 10.0
+sensitivity = 1.0
+epsilon = 20.0
+[[defenses]]
+name = "guarded"
+defense = "gaussian"
+min_rmse = 0.2
+seed = 0
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "config.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ---- config -------------------------------------------------------------------------------
+def test_shipped_configs_are_valid() -> None:
+    demo = load_config(DEFAULT_CONFIG)
+    assert (demo.task.model, demo.task.dataset, demo.task.clients, demo.task.partitioning, demo.task.alpha) == \
+        ("lenet", "mnist5k", 4, "dirichlet", 0.5)
+    assert [d.defense for d in demo.defenses] == ["none", "localdp", "gaussian", "eigen"]
+    taus = {d.min_rmse for d in demo.defenses if d.defense in ("gaussian", "eigen")}
+    assert len(taus) == 1 and demo.attack.method == "gs" and demo.attack.clients_per_round == 1
+    assert load_config(SIMULATIONS / "lfw.toml").task.dataset == "lfw-faces"
+
+
+@pytest.mark.parametrize("patch, message", [
+    ('[task]\nrounds = 0', "task.rounds"),
+    ('[task]\nroundz = 3', "task.roundz"),
+    ('[attack]\nmethod = "magic"', "attack.method"),
+    ('[[defenses]]\nname = "x"\ndefense = "localdp"\nclipping_norm = 1.0', "epsilon"),
+    ('[[defenses]]\nname = "x"\ndefense = "localdp"\nepsilon = 1.0\nsensitivity = 1.0\nclipping_norm = 1.0\nmin_rmse = 1.0',
+     "min_rmse"),
+    ('[[defenses]]\nname = "x"\ndefense = "gaussian"\nmin_rmse = -1.0', "min_rmse"),
+    ('[[defenses]]\nname = "x"\ndefense = "gaussian"\nepsilon = 1.0', "epsilon"),
+    ('[[defenses]]\nname = "none"\ndefense = "none"', "unique"),
+])
+def test_bad_configs_name_the_field(tmp_path: Path, patch: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(_write(tmp_path, TINY + "\n" + patch + "\n"))
+
+
+def test_unreadable_configs(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(_write(tmp_path, "[task\n"))
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="defenses"):
+        load_config(_write(tmp_path, "[task]\nrounds = 2\n"))
+
+
+def test_run_config_keys_are_declared_by_the_flower_app() -> None:
+    """Flower rejects --run-config keys the app does not declare: every key a comparison emits must be
+    in simulations/pyproject.toml, or the deployment-engine command would fail."""
+    declared = tomllib.loads((SIMULATIONS / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    config = CompareConfig(**tomllib.loads(TINY))
+    for spec in config.defenses:
+        emitted = config.run_config(spec)
+        assert set(emitted) <= set(declared), set(emitted) - set(declared)
+    guarded = config.run_config(config.defense("guarded"))
+    assert guarded["guard-defense"] == "gaussian" and guarded["guard-min-rmse"] == 0.2
+    assert config.run_config(config.defense("none"))["guard-defense"] == ""
+    assert config.run_config(config.defense("dp"))["localdp-epsilon"] == 20.0
+
+
+# ---- end to end ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    import ray
+
+    tmp = tmp_path_factory.mktemp("compare")
+    config, out = _write(tmp, TINY), tmp / "out"
+    try:
+        result = CliRunner().invoke(app, ["compare", str(config), "--out", str(out)])
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    return config, out, result.output
+
+
+def _rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    with path.open(newline="") as handle:
+        reader = csv.DictReader(handle)
+        return list(reader.fieldnames or []), list(reader)
+
+
+def test_comparison_writes_every_file_with_the_fixed_columns(comparison, one_thread) -> None:
+    _, out, output = comparison
+    for name in ("rounds.csv", "summary.csv", "classes.csv", "report.html", "config.toml"):
+        assert (out / name).stat().st_size > 0, name
+    columns, rows = _rows(out / "rounds.csv")
+    assert tuple(columns[:len(ROUND_COLUMNS)]) == ROUND_COLUMNS
+    assert len(rows) == 2 * 3 * 2  # rounds × defenses × clients
+    assert {(int(r["round"]), r["defense"], int(r["client"])) for r in rows} == \
+        {(t, d, c) for t in (1, 2) for d in ("none", "dp", "guarded") for c in (0, 1)}
+    attacked = [r for r in rows if r["attack_method"]]
+    # one victim per round, the same client in every defense's run (rotating by partition id)
+    assert sorted((int(r["round"]), r["defense"]) for r in attacked) == \
+        sorted((t, d) for t in (1, 2) for d in ("none", "dp", "guarded"))
+    assert {(int(r["round"]), int(r["client"])) for r in attacked} == {(1, 0), (2, 1)}
+    for r in attacked:
+        assert r["attack_method"] == "gs" and float(r["attack_batch_size"]) == 1.0  # the victim config held
+        assert float(r["num_examples"]) == 1.0 and math.isfinite(float(r["attack_psnr"]))
+    for r in rows:
+        assert 0.0 <= float(r["test_accuracy"]) <= 1.0 and float(r["grad_norm"]) > 0
+    columns, summary = _rows(out / "summary.csv")
+    assert tuple(columns) == SUMMARY_COLUMNS and [s["defense"] for s in summary] == ["none", "dp", "guarded"]
+    assert "guarded" in output and "best PSNR" in output  # the printed summary table
+
+
+def test_comparison_numbers(comparison, one_thread) -> None:
+    _, out, _ = comparison
+    _, rows = _rows(out / "rounds.csv")
+    by = {d: [r for r in rows if r["defense"] == d] for d in ("none", "dp", "guarded")}
+    assert all(float(r["noise_norm"]) == 0.0 and float(r["min_pred_rmse"]) == 0.0 for r in by["none"])
+    for r in by["guarded"]:  # the guard's promise, per upload, and its cost measured
+        assert float(r["guard_met"]) == 1.0 and float(r["min_pred_rmse"]) >= 0.2 * (1 - 1e-6)
+        assert float(r["noise_norm"]) > 0 and float(r["guard_seconds"]) > 0
+    # LocalDpMod's measured noise against its closed form: E‖n‖ ≈ std·√d, std = Δ·√(2 ln(1.25/δ))/ε.
+    dims = sum(p.numel() for p in create("mlp", in_channels=1, num_classes=10, image_size=8).state_dict().values())
+    std = 1.0 * math.sqrt(2 * math.log(1.25 / 1e-5)) / 20.0
+    for r in by["dp"]:
+        steps_lr = 0.1 * (1 if r["attack_method"] else 2)  # the victim ran 1 step, the others 2
+        assert float(r["noise_norm"]) * steps_lr == pytest.approx(std * math.sqrt(dims), rel=0.05)
+        assert r["min_pred_rmse"] == ""  # LocalDpMod's noise is not scored by flguard
+
+
+def test_resume_skips_finished_runs_and_redoes_an_interrupted_one(comparison, one_thread) -> None:
+    import ray
+
+    config, out, _ = comparison
+    runs = out / "runs"
+    before = {d: (runs / d / "summary.json").stat().st_mtime_ns for d in ("none", "dp", "guarded")}
+    (runs / "dp" / "summary.json").unlink()  # as if the run had been interrupted
+    try:
+        result = CliRunner().invoke(app, ["compare", str(config), "--out", str(out)])
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    assert result.exit_code == 0, result.output
+    after = {d: (runs / d / "summary.json").stat().st_mtime_ns for d in ("none", "dp", "guarded")}
+    assert after["none"] == before["none"] and after["guarded"] == before["guarded"]
+    assert (runs / "dp" / "summary.json").exists() and json.loads((runs / "dp" / "summary.json").read_text())["rounds"] == 2
+    assert "resumed" in result.output
+    _, rows = _rows(out / "rounds.csv")
+    assert len(rows) == 12
+
+
+def test_run_config_for_the_deployment_engine(comparison) -> None:
+    config, out, _ = comparison
+    result = CliRunner().invoke(app, ["compare", str(config), "--out", str(out), "--run-config", "guarded"])
+    assert result.exit_code == 0, result.output
+    assert 'guard-defense="gaussian"' in result.output and "sim-truth-dir" not in result.output
+    assert f'out-dir="{(out / "runs" / "guarded").resolve()}"' in result.output

@@ -54,6 +54,10 @@ def type_name(annotation: Any) -> str:
         return " \\| ".join(f'`"{a}"`' if isinstance(a, str) else f"`{a!r}`" for a in args)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(type_name(a) for a in args)
+    if origin is tuple and args:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"tuple of {type_name(args[0])}"
+        return "(" + ", ".join(type_name(a) for a in args) + ")"
     if origin in (list, tuple, set):
         return f"list of {type_name(args[0])}" if args else "list"
     if origin is dict:
@@ -187,6 +191,8 @@ def generated_blocks() -> dict[str, str]:
         "AttackSection": field_table(AttackSection),
         "DefenseSpec": field_table(DefenseSpec, ("name", "defense")),
         "GuardConfig-in-defenses": field_table(GuardConfig, GUARD_FIELDS),
+        "GuardConfig-not-in-defenses": ", ".join(f"`{name}`" for name in GuardConfig.model_fields
+                                                 if name not in GUARD_FIELDS and name != "defense") + ".",
         "LocalDpConfig": field_table(LocalDpConfig),
         "error-example": error_example(),
     }

@@ -22,6 +22,14 @@ def describe_validation_error(model_name: str, error: ValidationError) -> str:
     lines = []
     for item in error.errors():
         field = ".".join(str(part) for part in item["loc"])
+        nested = (item.get("ctx") or {}).get("error")
+        if isinstance(nested, ConfigError) and field:
+            # A nested StrictModel already described its own fields: re-root its lines at this field.
+            for line in str(nested).splitlines():
+                inner, _, rest = line.partition(".")
+                lines.append(f"{model_name}.{field}.{rest}" if rest and inner.isidentifier() else
+                             f"{model_name}.{field}: {line}")
+            continue
         reason = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             reason = "unknown field (check its spelling)"

@@ -74,20 +74,29 @@ def test_shipped_configs_are_valid() -> None:
     assert load_config(SIMULATIONS / "lfw.toml").task.dataset == "lfw-faces"
 
 
-@pytest.mark.parametrize("patch, message", [
-    ('[task]\nrounds = 0', "task.rounds"),
-    ('[task]\nroundz = 3', "task.roundz"),
-    ('[attack]\nmethod = "magic"', "attack.method"),
-    ('[[defenses]]\nname = "x"\ndefense = "localdp"\nclipping_norm = 1.0', "epsilon"),
-    ('[[defenses]]\nname = "x"\ndefense = "localdp"\nepsilon = 1.0\nsensitivity = 1.0\nclipping_norm = 1.0\nmin_rmse = 1.0',
-     "min_rmse"),
-    ('[[defenses]]\nname = "x"\ndefense = "gaussian"\nmin_rmse = -1.0', "min_rmse"),
-    ('[[defenses]]\nname = "x"\ndefense = "gaussian"\nepsilon = 1.0', "epsilon"),
-    ('[[defenses]]\nname = "none"\ndefense = "none"', "unique"),
+@pytest.mark.parametrize("old, new, message", [
+    ("rounds = 2", "rounds = 0", "CompareConfig.task.rounds"),
+    ("rounds = 2", "roundz = 2", "CompareConfig.task.roundz.*unknown field"),
+    ('model = "mlp"', 'model = "mpl"', "CompareConfig.task.model.*unknown model"),
+    ('method = "gs"', 'method = "magic"', "CompareConfig.attack.method"),
+    ("iterations = 8", "iterations = [8, 9]", "iterations"),
+    ("seed = 0\n[task]", 'seed = 0\ndevice = "tpu"\n[task]', "CompareConfig.device"),
+    ("epsilon = 20.0", "", "epsilon"),
+    ("min_rmse = 0.2", "min_rmse = -1.0", "min_rmse"),
+    ("min_rmse = 0.2", "min_rmse = 0.2\nepsilon = 1.0", "epsilon"),
+    ('name = "dp"', 'name = "none"', "unique"),
 ])
-def test_bad_configs_name_the_field(tmp_path: Path, patch: str, message: str) -> None:
+def test_bad_configs_name_the_field(tmp_path: Path, old: str, new: str, message: str) -> None:
+    assert old in TINY
     with pytest.raises(ConfigError, match=message):
-        load_config(_write(tmp_path, TINY + "\n" + patch + "\n"))
+        load_config(_write(tmp_path, TINY.replace(old, new, 1)))
+
+
+def test_several_attack_methods_each_with_its_iterations() -> None:
+    config = CompareConfig(**tomllib.loads(TINY.replace('method = "gs"', 'method = ["gs", "dlg"]')
+                                           .replace("iterations = 8", "iterations = [8, 2]")))
+    emitted = config.run_config(config.defenses[0])
+    assert (emitted["attack-method"], emitted["attack-iterations"]) == ("gs,dlg", "8,2")
 
 
 def test_unreadable_configs(tmp_path: Path) -> None:

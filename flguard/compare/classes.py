@@ -53,12 +53,12 @@ def class_risk(config: CompareConfig, *, per_class: int = 4, batch_size: int = 8
         x, y = data.normalize(data.images[index]), data.labels[index]
         report = assess(model, x, y, metrics=("grad_norm", "lambda_max"), seed=config.seed)
         fro2 = hutchinson_fro2(JacobianOperator(model, x, y), probes, generator)
-        # J_i of a mean loss over B samples is J̃_i/B, so ‖J‖_F/λmax = B·‖J̃‖_F/λ̃max: undo it to get
-        # each sample's own one-sample-update figure (the demo's victims upload one sample).
+        # J_i of a mean loss over B samples is J̃_i/B, so λmax = λ̃max/B² and ‖J‖_F/λmax = B·‖J̃‖_F/λ̃max:
+        # undo it to get each sample's one-sample-update figures (the demo's victims upload one sample).
         unit = unit_noise_i2f_lb(fro2, report.lambda_max) / len(index)
         for k, sample in enumerate(index.tolist()):
             values.setdefault(int(data.labels[sample]), []).append(
-                (float(report.grad_norm[k]), float(report.lambda_max[k]), float(unit[k])))
+                (float(report.grad_norm[k]), float(report.lambda_max[k]) * len(index) ** 2, float(unit[k])))
     tau = max((tau_of(config, d.name) or 0.0) for d in config.defenses) or None
     rows = []
     for label in sorted(values):

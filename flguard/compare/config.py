@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from flguard.config import ConfigError, StrictModel
 from flguard.flower.dp import LocalDpConfig
@@ -33,7 +33,7 @@ class TaskSection(StrictModel):
     """The federated task every defense's run shares (same seeds, partitions, initial model)."""
 
     dataset: Literal["mnist5k", "lfw-faces", "digits", "mnist", "fashion-mnist", "cifar10"] = "mnist5k"
-    model: str = "lenet"
+    model: str = Field("lenet", description="a flguard.models name (lenet, cnn2_v1 … cnn4_v2, mlp, linear, resnet18)")
     init: Literal["default", "uniform", "normal", "kaiming", "xavier"] = "uniform"
     clients: int = Field(4, ge=2, le=64, description="simulated SuperNodes, one partition each")
     partitioning: Literal["iid", "dirichlet"] = "dirichlet"
@@ -44,18 +44,49 @@ class TaskSection(StrictModel):
     batch_size: int = Field(8, ge=1)
     lr: float = Field(0.1, gt=0.0)
 
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, name: str) -> str:
+        from flguard.models.zoo import MODEL_NAMES
+
+        if name not in MODEL_NAMES:
+            raise ValueError(f"unknown model; choose one of {', '.join(MODEL_NAMES)}")
+        return name
+
+
+Method = Literal["gs", "dlg", "rgap", "hybrid", "adaptive"]
+
 
 class AttackSection(StrictModel):
     """The malicious server: which attack, on how many clients per round, with what knowledge."""
 
-    method: Literal["gs", "dlg", "rgap", "hybrid"] = "gs"
-    iterations: int = Field(300, ge=1)
+    method: Method | list[Method] = Field("gs", description="one attack, or several (each upload gets each; "
+                                                             "the tables keep the best reconstruction)")
+    iterations: int | list[int] = Field(300, description="one count for all methods, or one per method")
     restarts: int = Field(1, ge=1)
     labels: Literal["recover", "true"] = "recover"
-    clients_per_round: int = Field(1, ge=0, description="0: attack nobody (no malicious server)")
+    clients_per_round: int = Field(1, ge=1, description="clients attacked per round, taken in turn by partition id")
     victim_batch_size: int = Field(0, ge=0, description=">0: the server asks its victims for this batch size")
     victim_local_steps: int = Field(0, ge=0, description=">0: ... and this many local steps")
     hyperparameters: dict[str, float | int | str | bool] = Field(default_factory=dict)
+
+    @property
+    def methods(self) -> list[str]:
+        return [self.method] if isinstance(self.method, str) else list(self.method)
+
+    @property
+    def counts(self) -> list[int]:
+        counts = [self.iterations] if isinstance(self.iterations, int) else list(self.iterations)
+        return counts * len(self.methods) if len(counts) == 1 else counts
+
+    @model_validator(mode="after")
+    def _iterations_per_method(self) -> "AttackSection":
+        if not self.methods:
+            raise ValueError("method: give at least one attack")
+        if len(self.counts) != len(self.methods) or min(self.counts) < 1:
+            raise ValueError(f"iterations={self.iterations!r}: give one positive count, or one per method "
+                             f"({len(self.methods)})")
+        return self
 
 
 class DefenseSpec(StrictModel):
@@ -105,7 +136,8 @@ class CompareConfig(StrictModel):
 
     name: str = "comparison"
     seed: int = 0
-    device: str = Field("auto", description="the attacks' device: auto (CUDA when present), cpu, cuda")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                        description="the attacks' device: auto (CUDA when present), cpu, cuda, cuda:N")
     round_timeout: float = Field(3600.0, gt=0.0)
     task: TaskSection = Field(default_factory=TaskSection)
     attack: AttackSection = Field(default_factory=AttackSection)
@@ -120,6 +152,7 @@ class CompareConfig(StrictModel):
         return self
 
     def defense(self, name: str) -> DefenseSpec:
+        """The defense called ``name`` (a ConfigError naming the known ones otherwise)."""
         for spec in self.defenses:
             if spec.name == name:
                 return spec
@@ -134,8 +167,8 @@ class CompareConfig(StrictModel):
             "seed": self.seed, "num-partitions": task.clients, "partitioning": task.partitioning,
             "alpha": task.alpha, "test-fraction": task.test_fraction, "lr": task.lr,
             "local-steps": task.local_steps, "batch-size": task.batch_size, "min-nodes": task.clients,
-            "round-timeout": self.round_timeout, "malicious": attack.clients_per_round > 0,
-            "attack-method": attack.method, "attack-iterations": attack.iterations,
+            "round-timeout": self.round_timeout, "malicious": True,
+            "attack-method": ",".join(attack.methods), "attack-iterations": ",".join(map(str, attack.counts)),
             "attack-restarts": attack.restarts, "attack-labels": attack.labels,
             "attack-targets": attack.clients_per_round, "attack-rotate": True, "attack-device": self.device,
             "victim-batch-size": attack.victim_batch_size, "victim-local-steps": attack.victim_local_steps,

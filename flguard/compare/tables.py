@@ -24,9 +24,10 @@ from flguard.flower.apps import SUMMARY_FILE
 ROUND_COLUMNS = ("round", "defense", "client", "test_accuracy", "test_loss", "grad_norm", "noise_norm", "rel_noise",
                  "min_pred_rmse", "attack_method", "attack_psnr", "attack_ssim", "attack_rmse", "guard_seconds",
                  "train_seconds")
+# ``error``: why the client's train reply carried no update (e.g. the guard withheld it).
 EXTRA_ROUND_COLUMNS = ("kind", "num_examples", "train_loss", "guard_met", "error", "median_pred_rmse",
                        "attack_rmse_pixels", "attack_label_accuracy", "attack_batch_size", "attack_seconds",
-                       "attack_labels", "attack_image")
+                       "attack_labels", "attack_image", "attack_error")
 SUMMARY_COLUMNS = ("defense", "kind", "tau", "rounds", "final_accuracy", "final_loss", "attacks", "attack_psnr_min",
                    "attack_psnr_median", "attack_psnr_best", "attack_ssim_best", "attack_rmse_min", "tau_met_share",
                    "mean_rel_noise", "mean_noise_norm", "guard_overhead", "guard_seconds", "train_seconds",
@@ -47,6 +48,18 @@ def read_attack_rows(directory: Path) -> list[dict[str, str]]:
         return []
     with path.open(encoding="utf-8", newline="") as handle:
         return list(csv.DictReader(handle))
+
+
+def best_attacks(rows: Iterable[Mapping[str, str]]) -> dict[tuple[int, int], Mapping[str, str]]:
+    """Per (round, node), the attack row with the best reconstruction (highest PSNR; unscored rows last)."""
+    best: dict[tuple[int, int], Mapping[str, str]] = {}
+    for row in rows:
+        key = (int(row["round"]), int(row["node_id"]))
+        score = _number(row.get("psnr"))
+        held = _number(best[key].get("psnr")) if key in best else None
+        if key not in best or (score is not None and (held is None or score > held)):
+            best[key] = row
+    return best
 
 
 def _noise(metrics: Mapping[str, Any]) -> tuple[float, float]:
@@ -71,7 +84,7 @@ def defense_rows(config: CompareConfig, name: str, directory: Path) -> list[dict
     spec = config.defense(name)
     summary = json.loads((directory / SUMMARY_FILE).read_text())
     partitions = {int(k): int(v) for k, v in summary.get("partitions", {}).items()}
-    attacks = {(int(r["round"]), int(r["node_id"])): r for r in read_attack_rows(directory)}
+    attacks = best_attacks(read_attack_rows(directory))
     train = summary.get("train_replies", {})
     evaluate = summary.get("evaluate_replies", {})
     rows = []
@@ -81,21 +94,22 @@ def defense_rows(config: CompareConfig, name: str, directory: Path) -> list[dict
             t, e = replies_t.get(str(node), {}), replies_e.get(str(node), {})
             reported = _number(t.get("partition-id", e.get("partition-id")))
             client = partitions.get(node, int(reported) if reported is not None else -1)
-            noise_norm, rel_noise = _noise(t) if "error" not in t else (None, None)
+            uploaded = bool(t) and "error" not in t  # a train reply that carried an update
+            noise_norm, rel_noise = _noise(t) if uploaded else (None, None)
             attack = attacks.get((server_round, node), {})
             row = {
                 "round": server_round, "defense": name, "client": client,
                 "test_accuracy": _number(e.get("eval-acc")), "test_loss": _number(e.get("eval-loss")),
                 "grad_norm": _number(t.get("grad-norm")), "noise_norm": noise_norm, "rel_noise": rel_noise,
-                "min_pred_rmse": _pred(t, "guard_min_rmse_after", spec.defense) if "error" not in t else None,
+                "min_pred_rmse": _pred(t, "guard_min_rmse_after", spec.defense) if uploaded else None,
                 "attack_method": attack.get("method") or None, "attack_psnr": _number(attack.get("psnr")),
                 "attack_ssim": _number(attack.get("ssim")), "attack_rmse": _number(attack.get("rmse_input")),
-                "guard_seconds": _number(t.get("guard_seconds", 0.0 if "error" not in t else None)),
+                "guard_seconds": _number(t.get("guard_seconds", 0.0 if uploaded else None)),
                 "train_seconds": _number(t.get("train-seconds")),
                 "kind": spec.defense, "num_examples": _number(t.get("num-examples")),
                 "train_loss": _number(t.get("train-loss")), "guard_met": _number(t.get("guard_met")),
-                "error": t.get("error") or attack.get("error") or None,
-                "median_pred_rmse": _pred(t, "guard_median_rmse_after", spec.defense) if "error" not in t else None,
+                "error": t.get("error") or None, "attack_error": attack.get("error") or None,
+                "median_pred_rmse": _pred(t, "guard_median_rmse_after", spec.defense) if uploaded else None,
                 "attack_rmse_pixels": _number(attack.get("rmse")),
                 "attack_label_accuracy": _number(attack.get("label_accuracy")),
                 "attack_batch_size": _number(attack.get("batch_size")), "attack_seconds": _number(attack.get("seconds")),
@@ -144,7 +158,7 @@ def summary_row(config: CompareConfig, name: str, rows: Sequence[Mapping[str, An
         "mean_rel_noise": statistics.fmean(r["rel_noise"] for r in uploads) if uploads else None,
         "mean_noise_norm": statistics.fmean(r["noise_norm"] for r in uploads) if uploads else None,
         "guard_overhead": guard_s / train_s if train_s > 0 else None, "guard_seconds": guard_s,
-        "train_seconds": train_s, "dropped_updates": sum(1 for r in rows if r["error"] and r["rel_noise"] is None),
+        "train_seconds": train_s, "dropped_updates": sum(1 for r in rows if r["error"]),
         "run_seconds": _number(run_summary.get("seconds")),
     }
 
@@ -160,13 +174,13 @@ def write_csv(path: Path, columns: Sequence[str], rows: Iterable[Mapping[str, An
 
 def build_tables(config: CompareConfig, out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Write ``rounds.csv`` and ``summary.csv`` for every finished defense run; returns their rows."""
-    from flguard.compare.runner import run_directory
+    from flguard.compare.runner import is_finished, run_directory
 
     out = Path(out)
     all_rows, summaries = [], []
     for spec in config.defenses:
         directory = run_directory(out, spec)
-        if not (directory / SUMMARY_FILE).exists():
+        if not is_finished(config, spec, directory):  # absent, interrupted, or run under other settings
             continue
         rows = defense_rows(config, spec.name, directory)
         all_rows.extend(rows)

@@ -57,8 +57,8 @@ class ServerSettings:
     min_nodes: int = 2
     round_timeout: float = 3600.0
     malicious: bool = True
-    attack_method: str = "gs"
-    attack_iterations: int = 200
+    attack_method: str = "gs"  # several: "gs,dlg" (each upload attacked by each; reports keep the best)
+    attack_iterations: str = "200"  # one value for all, or one per method: "1000,50"
     attack_restarts: int = 1
     attack_labels: str = "recover"
     attack_targets: int = 0  # 0: every client that replied; k: k clients per round
@@ -205,6 +205,24 @@ def attack_hyperparameters(config: Mapping[str, Any]) -> dict[str, Any]:
             if key.startswith(ATTACK_HP_PREFIX) and value != ""}
 
 
+def attack_specs(settings: ServerSettings, hyperparameters: Mapping[str, Any], seed: int) -> list[AttackSpec]:
+    """One AttackSpec per method of ``attack-method`` ("gs" or "gs,dlg"); ``attack-iterations`` gives one
+    count for all or one per method; each method gets the hyperparameters it accepts."""
+    from flguard.attacks.api import hyperparameters_of
+
+    methods = [m.strip() for m in str(settings.attack_method).split(",") if m.strip()]
+    counts = [int(c) for c in str(settings.attack_iterations).split(",") if c.strip()]
+    if len(counts) == 1:
+        counts *= len(methods)
+    if not methods or len(counts) != len(methods):
+        raise ValueError(f"attack-iterations={settings.attack_iterations!r} must give one count, or one per "
+                         f"method of attack-method={settings.attack_method!r}")
+    return [AttackSpec(method=method, iterations=count, restarts=settings.attack_restarts,
+                       labels=settings.attack_labels, seed=seed,
+                       hyperparameters={k: v for k, v in hyperparameters.items() if k in hyperparameters_of(method)})
+            for method, count in zip(methods, counts)]
+
+
 def _victim_config(settings: ServerSettings) -> dict[str, Any]:
     victim: dict[str, Any] = {}
     if settings.victim_batch_size > 0:
@@ -224,16 +242,14 @@ def build_strategy(settings: ServerSettings, task_settings: task.TaskSettings, *
     if not settings.malicious:
         return strategy
     dataset = task.load_dataset(task_settings.dataset)
-    spec = AttackSpec(method=settings.attack_method, iterations=settings.attack_iterations,
-                      restarts=settings.attack_restarts, labels=settings.attack_labels, seed=task_settings.seed,
-                      hyperparameters=attack_hyperparameters(config or {}))
+    specs = attack_specs(settings, attack_hyperparameters(config or {}), seed=task_settings.seed)
     device = settings.attack_device
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else None
     return MaliciousServer(strategy, model_fn=functools.partial(task.make_model, task_settings),
-                           input_shape=dataset.shape, attacks=[spec], out_dir=resolve_path(settings.out_dir),
+                           input_shape=dataset.shape, attacks=specs, out_dir=resolve_path(settings.out_dir),
                            targets=targets if targets is not None else (settings.attack_targets or None),
                            truth_dir=resolve_path(settings.sim_truth_dir) if settings.sim_truth_dir else None,
                            blocking=settings.attack_blocking, normalization=(dataset.mean, dataset.std),

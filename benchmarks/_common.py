@@ -18,3 +18,74 @@ def model_and_batch(model_name: str, dataset: str, batch: int, *, init: str = "u
     index = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))[offset:offset + batch]
     x = data.normalize(data.images[index])
     return model.to(device), x.to(device), data.labels[index].to(device), data
+
+
+# -- helpers of the evidence studies (issue 7) -------------------------------------------------
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def study_paths(study: str):
+    """(figure path docs/figures/<study>.png, table path benchmarks/results/<study>.csv), folders made."""
+    figure, table = ROOT / "docs" / "figures" / f"{study}.png", ROOT / "benchmarks" / "results" / f"{study}.csv"
+    figure.parent.mkdir(parents=True, exist_ok=True)
+    table.parent.mkdir(parents=True, exist_ok=True)
+    return figure, table
+
+
+def flat_gradient(model, x, y) -> torch.Tensor:
+    """The FedSGD upload ∇θ L(x, θ) (cross-entropy, mean reduction), flat, trainable parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    return torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, params)]).detach()
+
+
+def dense_jacobian(op, chunk: int = 196) -> torch.Tensor:
+    """J_i of every sample as dense rows J_iᵀ e_k: [B, dx, dθ] (dx Jᵀ products; tiny inputs only)."""
+    eye = torch.eye(op.dx, dtype=op.dtype, device=op.device)
+    blocks = [op.jt(eye[s:s + chunk].unsqueeze(0).expand(op.batch_size, -1, -1)) for s in range(0, op.dx, chunk)]
+    return torch.cat(blocks, dim=1)
+
+
+def pixel_scores(data, reconstruction: torch.Tensor, truth: torch.Tensor) -> dict:
+    """Per-sample MSE / PSNR / SSIM on [0, 1] pixels (reconstruction clamped, no re-matching: B = 1
+    uploads), plus the unclamped RMSE in model-input units (the unit of I2F and of the guard's τ)."""
+    from flguard.attacks import metrics
+
+    rec = data.denormalize(reconstruction.detach().cpu()).clamp(0, 1)
+    ref = data.denormalize(truth.detach().cpu()).clamp(0, 1)
+    scores = metrics.score(rec, ref, 1.0, matched=False, with_lpips=False)
+    rmse_input = (reconstruction.detach().cpu() - truth.detach().cpu()).flatten(1).pow(2).mean(1).sqrt()
+    return {"mse": scores["mse"].tolist(), "psnr": scores["psnr"].tolist(), "ssim": scores["ssim"].tolist(),
+            "rmse_input": rmse_input.tolist()}
+
+
+def write_table(rows: list[dict], path, columns: list[str] | None = None, digits: int = 4) -> str:
+    """Write ``rows`` to CSV at ``path`` (unless None) and return them as a markdown table."""
+    import csv
+
+    keys = list(rows[0]) if rows else []
+    if path is not None:
+        with open(path, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(rows)
+    columns = columns or keys
+
+    def fmt(value):
+        return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def study_argparser(doc: str):
+    """argparse with the flags every study shares: --full, --device, --seed."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="GPU scale: more samples and attack iterations")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--seed", type=int, default=0, help="model and sample-selection seed")
+    return parser

@@ -154,17 +154,24 @@ def test_comparison_writes_every_file_with_the_fixed_columns(comparison, one_thr
     assert {(int(r["round"]), r["defense"], int(r["client"])) for r in rows} == \
         {(t, d, c) for t in (1, 2) for d in ("none", "dp", "guarded") for c in (0, 1)}
     attacked = [r for r in rows if r["attack_method"]]
+    withheld = [r for r in rows if r["error"]]
+    # A one-sample victim update whose floor needs more noise than max_rel_noise allows is withheld
+    # (fail closed): it shows as an error row without an upload, and nothing is attacked.
+    for r in withheld:
+        assert r["defense"] == "guarded" and "update withheld" in r["error"] and r["noise_norm"] == ""
     # one victim per round, the same client in every defense's run (rotating by partition id)
-    assert sorted((int(r["round"]), r["defense"]) for r in attacked) == \
+    victims = {1: 0, 2: 1}
+    assert sorted((int(r["round"]), r["defense"]) for r in attacked + withheld) == \
         sorted((t, d) for t in (1, 2) for d in ("none", "dp", "guarded"))
-    assert {(int(r["round"]), int(r["client"])) for r in attacked} == {(1, 0), (2, 1)}
+    assert all(victims[int(r["round"])] == int(r["client"]) for r in attacked + withheld)
     for r in attacked:
         assert r["attack_method"] == "gs" and float(r["attack_batch_size"]) == 1.0  # the victim config held
         assert float(r["num_examples"]) == 1.0 and math.isfinite(float(r["attack_psnr"]))
     for r in rows:
-        assert 0.0 <= float(r["test_accuracy"]) <= 1.0 and float(r["grad_norm"]) > 0
+        assert 0.0 <= float(r["test_accuracy"]) <= 1.0 and (r["error"] or float(r["grad_norm"]) > 0)
     columns, summary = _rows(out / "summary.csv")
     assert tuple(columns) == SUMMARY_COLUMNS and [s["defense"] for s in summary] == ["none", "dp", "guarded"]
+    assert [int(s["dropped_updates"]) for s in summary] == [0, 0, len(withheld)]
     assert "guarded" in output and "best PSNR" in output  # the printed summary table
 
 
@@ -173,7 +180,7 @@ def test_comparison_numbers(comparison, one_thread) -> None:
     _, rows = _rows(out / "rounds.csv")
     by = {d: [r for r in rows if r["defense"] == d] for d in ("none", "dp", "guarded")}
     assert all(float(r["noise_norm"]) == 0.0 and float(r["min_pred_rmse"]) == 0.0 for r in by["none"])
-    for r in by["guarded"]:  # the guard's promise, per upload, and its cost measured
+    for r in (r for r in by["guarded"] if not r["error"]):  # the guard's promise per upload; its cost measured
         assert float(r["guard_met"]) == 1.0 and float(r["min_pred_rmse"]) >= 0.2 * (1 - 1e-6)
         assert float(r["noise_norm"]) > 0 and float(r["guard_seconds"]) > 0
     # LocalDpMod's measured noise against its closed form: E‖n‖ ≈ std·√d, std = Δ·√(2 ln(1.25/δ))/ε.

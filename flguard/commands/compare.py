@@ -21,6 +21,16 @@ class _DropDeprecation(logging.Filter):
         return "DEPRECATED FEATURE" not in record.getMessage()
 
 
+def _quiet_library_notices() -> None:
+    """Library notices about their own future versions (Ray's GPU env-var tip, torch.jit's
+    deprecation inside torchvision) say nothing about the comparison; errors still show."""
+    import os
+    import warnings
+
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(ray|torch)\.")
+
+
 def _fmt(value: Any, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
@@ -55,6 +65,7 @@ def run_and_report(config_path: Path, out: Path, *, resume: bool, verbose: bool,
     (out / "config.toml").write_text(Path(config_path).read_text(encoding="utf-8"), encoding="utf-8")
     started = time.perf_counter()
     logging.getLogger("flwr").addFilter(_DropDeprecation())
+    _quiet_library_notices()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[note]}"),
                   TimeElapsedColumn(), console=console, transient=False) as progress:
         tasks: dict[str, Any] = {}

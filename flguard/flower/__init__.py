@@ -19,8 +19,8 @@ from flguard.flower.malicious import (
     delta_to_gradient,
     every_client,
     first_clients,
-    score_batch,
 )
+from flguard.flower.scoring import save_grid, score_batch
 from flguard.flower.truth import TRUTH_DIR_KEY, TruthChannelRefused, TruthReader, in_simulation_runtime, record_batch
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "every_client",
     "first_clients",
     "score_batch",
+    "save_grid",
     "TRUTH_DIR_KEY",
     "TruthChannelRefused",
     "TruthReader",

@@ -31,6 +31,17 @@ def _quiet_library_notices() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(ray|torch)\.")
 
 
+def _event_line(name: str, event: str, payload: Mapping[str, Any], rounds: int) -> str:
+    if event == "round":
+        acc = payload.get("metrics", {}).get("eval-acc")
+        return f"{name}: round {payload['round']}/{rounds} done" + (f", accuracy {acc:.3f}" if acc is not None else "")
+    if event == "attack":
+        psnr = payload.get("psnr")
+        return (f"{name}: attack on round {payload.get('round')} ({payload.get('method')}): "
+                + (f"PSNR {psnr:.1f} dB" if psnr is not None else str(payload.get("status"))))
+    return f"{name}: {event}" + (f" ({payload['seconds']:.0f} s)" if "seconds" in payload else "")
+
+
 def _fmt(value: Any, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
@@ -75,6 +86,8 @@ def run_and_report(config_path: Path, out: Path, *, resume: bool, verbose: bool,
             if name not in tasks:
                 tasks[name] = progress.add_task(f"{name:>14} rounds", total=config.task.rounds, note="")
             task_id = tasks[name]
+            if not console.is_terminal:  # logs and CI: one line per event instead of a live bar
+                console.print(_event_line(name, event, payload, config.task.rounds))
             if event == "round":
                 progress.update(task_id, completed=payload["round"])
             elif event == "attack":

@@ -13,10 +13,14 @@ the random coefficients are secret) can estimate that subspace itself and stop m
    gradient *and* from every candidate's gradient;
 4. attack again on what is left, warm-started at x̂ with its components along the estimated weak
    input directions reset to 0 (the dataset mean: those coordinates were the noisy ones), and
-5. return whichever of the two reconstructions matches the projected gradient better.
+5. return whichever of the two reconstructions matches the projected gradient better — where both
+   match it (to ``match_tol``), the second: the projected gradient cannot tell them apart (x̂ matched
+   the noisy gradient, so it also matches its projection), and the second takes the ignored
+   coordinates from the prior instead of from the noise.
 
 If x̂ is close enough to the truth that J(x̂) ≈ J(x), span(Q) covers the eigen noise and the
-second pass sees an (almost) clean gradient, losing only the few directions it ignored. Against
+second pass sees an (almost) clean gradient; what it loses are the ignored coordinates, which no
+gradient-matching attacker can recover better than its prior (the mean, the box, TV). Against
 isotropic Gaussian noise the projection removes a negligible share of the noise, so the attacker
 is no weaker than its base attack.
 """
@@ -93,17 +97,21 @@ def projected_losses(model: nn.Module, candidates: Sequence[torch.Tensor], label
 def adaptive(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[int], *,
              labels: torch.Tensor | None, loss_fn: LossFn | None, batch_size: int, iterations: int | None,
              restarts: int, device: torch.device, generator: torch.Generator,
-             base: str = "gs", subspace: int = 32, krylov_steps: int = 64, select: str = "gain",
+             base: str = "gs", subspace: int = 64, krylov_steps: int = 128, select: str = "gain",
              eps: float = DEFAULT_EPS_RELATIVE, mean: float | Sequence[float] = 0.0,
              std: float | Sequence[float] = 1.0, warm_start: bool = True,
-             base_hyperparameters: Mapping[str, Any] | None = None) -> Reconstruction:
+             base_hyperparameters: Mapping[str, Any] | None = None,
+             first_images: torch.Tensor | None = None, match_tol: float = 1e-3) -> Reconstruction:
     """Two passes of ``base`` ('gs' or 'dlg'), the second blind to the estimated noise subspace.
 
-    Hyperparameters: ``subspace`` directions per sample (the defense uses ``subspace_size`` = 8;
-    more covers it with margin), ``krylov_steps`` Lanczos steps at x̂, ``select`` 'gain' (the
+    Hyperparameters: ``subspace`` directions per sample (the guard's default ``subspace_size`` is
+    32; twice that covers it with margin), ``krylov_steps`` Lanczos steps at x̂, ``select`` 'gain' (the
     defense's rule, with its relative ``eps``) or 'smallest'; ``mean``/``std`` the dataset
     normalisation (box/TV of the base attack); ``warm_start`` start the second pass at x̂ (weak
-    input directions reset) rather than at random; ``base_hyperparameters`` go to both passes.
+    input directions reset) rather than at random; ``base_hyperparameters`` go to both passes;
+    ``first_images`` [B, *input_shape] an existing reconstruction that replaces the first pass
+    (a server that already ran the base attack reuses it); ``match_tol`` the projected matching
+    loss, relative to that of a zero gradient, below which a pass counts as matching.
     ``iterations``/``restarts`` apply to each pass. ``extra``: 'first_images', 'losses' (both
     passes on the projected criterion), 'chosen' ('first' | 'second'), 'subspace_rank'.
     """
@@ -119,7 +127,14 @@ def adaptive(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequ
             raise ValueError(f"base_hyperparameters may not set {reserved!r}: the adaptive attack sets it")
     common = dict(labels=labels, loss_fn=loss_fn, batch_size=batch_size, iterations=iterations,
                   restarts=restarts, device=device, generator=generator)
-    first = base_fn(model, target, input_shape, **common, **hp)
+    if first_images is None:
+        first = base_fn(model, target, input_shape, **common, **hp)
+    else:
+        if tuple(first_images.shape) != (batch_size, *input_shape):
+            raise ValueError(f"first_images has shape {tuple(first_images.shape)}; "
+                             f"expected {(batch_size, *input_shape)}")
+        first = Reconstruction(images=first_images.detach().to(device=device, dtype=target[0].dtype),
+                               labels=labels.detach().clone(), loss=float("nan"), method=base)
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device))
     basis, weak_inputs = weak_subspace(model, first.images, labels.to(device), loss_fn, size=subspace,
                                        krylov_steps=krylov_steps, select=select, eps=eps, seed=seed)
@@ -133,7 +148,9 @@ def adaptive(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequ
     distance = hp.get("distance", "cosine" if base == "gs" else "l2")
     losses = projected_losses(model, [first.images, second.images], labels.to(device), target, basis, loss_fn,
                               distance)
-    best = pick_best(losses)
+    projected = project_target(target, basis)
+    scale = 0.5 * sum(float((t * t).sum()) for t in projected) if distance == "l2" else 1.0  # a zero gradient's loss
+    best = 1 if float(losses[1]) <= match_tol * scale else pick_best(losses)
     chosen = (first, second)[best]
     return Reconstruction(images=chosen.images, labels=chosen.labels, loss=float(losses[best]),
                           history=first.history + second.history, seconds=time.perf_counter() - start,

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from flguard.defenses import BASELINES, DIRECTIONS, DefenseContext, draw_generator
+from flguard.defenses.gaussian import gaussian_direction
 from flguard.guard_config import THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard_report import GuardOutput, GuardReport
-from flguard.risk.assess import i2f_norms
+from flguard.risk.assess import i2f_norms, i2f_solve
 from flguard.risk.lanczos import lanczos
 from flguard.risk.operator import JacobianOperator, LossFn
 
@@ -106,10 +107,11 @@ class Guard:
     def _meet_floor(self, ctx: DefenseContext) -> _Outcome:
         """Scale the defense's direction d so that every sample's I2F RMSE ≥ τ.
 
-        I2F is a norm of a linear map of δ, so I(c·d) = c·I(d) exactly: one CG solve on the realised
-        direction gives every sample's I2F for the noise actually sent. The CG bound keeps the
-        exact I2F within rtol of the solved one, so the scale aims at τ(1 + 2·rtol) and the
-        reported value is checked against τ(1 + rtol) — the exact value is then ≥ τ.
+        I2F's shift Δx = (K+εI)⁻¹Jδ is linear in δ, so for c·d it is c·Δx(d) exactly: one CG solve on
+        the realised direction gives every sample's I2F for the noise actually sent. The CG bound
+        keeps the exact I2F within rtol of the solved one, so the scale aims at τ(1 + 2·rtol) and the
+        reported value is checked against τ(1 + rtol) — the exact value is then ≥ τ. With
+        ``input_bounds`` the promise is about clip(x + c·Δx) − x instead (``_box_scale``).
         """
         cfg, op = self.config, ctx.op
         root = op.dx ** 0.5
@@ -117,23 +119,55 @@ class Guard:
         if cfg.min_rmse == 0:
             zeros = torch.zeros(op.batch_size, dtype=op.dtype, device=op.device)
             return _Outcome(torch.zeros_like(ctx.gradient), zeros, zeros, ctx.eps, True)
-        unit, unit_jd, converged = i2f_norms(op, direction.vector, ctx.eps, cfg.rtol)
-        if not bool(converged.all()):
-            raise GuardFailure("the I2F solve did not converge")
-        if not bool((unit > 0).all()):
-            raise GuardFailure("the noise direction has no measurable effect on some sample")
-        scale = cfg.min_rmse * (1 + 2 * cfg.rtol) * root / unit.min()
-        noise, rmse, jd = direction.vector * scale, unit * scale / root, unit_jd * scale
-        if not bool((rmse >= cfg.min_rmse * (1 + cfg.rtol)).all()):  # guards against non-finite arithmetic
-            raise GuardFailure("the floor could not be verified on the realised noise")
-        info = {"scale": float(scale), **_summaries(direction.info)}
+        vector = direction.vector
+        shift, unit_jd = self._solve(ctx, vector)
         budget = cfg.max_rel_noise * float(ctx.gradient.norm())
-        if float(noise.norm()) > budget:
+        info: dict = {}
+        floor = cfg.gaussian_floor if cfg.defense == "eigen" else 0.0
+        if floor > 0:  # an isotropic part of its own that meets floor·τ: no subspace to discard
+            z = gaussian_direction(ctx).vector
+            shift_z, _ = self._solve(ctx, z)
+            scale_z, rmse_z, _ = self._fit(op.x, shift_z, floor * cfg.min_rmse, budget / float(z.norm()))
+            scale_e, _, _ = self._fit(op.x, shift, cfg.min_rmse, budget / float(vector.norm()))
+            vector, shift = scale_z * z + scale_e * vector, scale_z * shift_z + scale_e * shift
+            info["rmse_gaussian_part"] = rmse_z
+        scale, rmse, reachable = self._fit(op.x, shift, cfg.min_rmse, budget / max(float(vector.norm()), 1e-30),
+                                           at_least=1.0 if floor > 0 else 0.0)
+        info["rmse_unbounded"] = shift.norm(dim=1) * scale / root
+        noise = vector * scale
+        jd = op.j(noise.expand(op.batch_size, 1, -1)).squeeze(1).norm(dim=1) if floor > 0 else unit_jd * scale
+        info = {"scale": float(scale), **_summaries({**direction.info, **info})}
+        if reachable and not bool((rmse >= cfg.min_rmse * (1 + cfg.rtol)).all()):  # non-finite arithmetic
+            raise GuardFailure("the floor could not be verified on the realised noise")
+        if not reachable or float(noise.norm()) > budget:
             return _Outcome(noise, rmse, jd / ctx.lambda_max / root, ctx.eps, False,
                             f"min_rmse={cfg.min_rmse} needs noise {float(noise.norm()):.4g} = "
-                            f"{float(noise.norm()) / max(float(ctx.gradient.norm()), 1e-30):.3g}× the gradient norm; "
+                            f"{float(noise.norm()) / max(float(ctx.gradient.norm()), 1e-30):.3g}× the gradient norm"
+                            f"{'' if reachable else ' or more (input_bounds clip the predicted error)'}; "
                             f"budget max_rel_noise={cfg.max_rel_noise}", info)
         return _Outcome(noise, rmse, jd / ctx.lambda_max / root, ctx.eps, True, "", info)
+
+    def _solve(self, ctx: DefenseContext, vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """I2F's shift (K_i+εI)⁻¹J_i·vector [B, dx] and ‖J_i·vector‖, checked."""
+        shift, jd, converged = i2f_solve(ctx.op, vector, ctx.eps, self.config.rtol)
+        if not bool(converged.all()):
+            raise GuardFailure("the I2F solve did not converge")
+        if not bool((shift.norm(dim=1) > 0).all()):
+            raise GuardFailure("the noise direction has no measurable effect on some sample")
+        return shift, jd
+
+    def _fit(self, x: torch.Tensor, shift: torch.Tensor, tau: float, limit: float,
+             at_least: float = 0.0) -> tuple[float, torch.Tensor, bool]:
+        """(c ≥ at_least, RMSE per sample of c·shift, reachable within scale ``limit``): the smallest
+        scale at which every sample's predicted RMSE reaches τ — the I2F RMSE ‖c·Δx‖/√dx, aimed at
+        τ(1 + 2·rtol), or with ``input_bounds`` the clipped one (``_box_scale``)."""
+        cfg, root = self.config, shift.shape[1] ** 0.5
+        unit = shift.norm(dim=1)
+        linear = max(tau * (1 + 2 * cfg.rtol) * root / float(unit.min()), at_least)
+        if cfg.input_bounds is None:  # the budget is checked on the final noise
+            return linear, unit * linear / root, True
+        low, high = _bounds(cfg.input_bounds, x)
+        return _box_scale(x, shift, low, high, tau, cfg.rtol, linear, max(limit, linear))
 
     # -- fail closed ------------------------------------------------------------------------
     def _apply_policy(self, flat: torch.Tensor, original: torch.Tensor, report: GuardReport, start: float) -> GuardOutput:
@@ -182,6 +216,57 @@ def _budget_noise(flat: torch.Tensor, cfg: GuardConfig, generator: torch.Generat
     """Isotropic noise of norm max_rel_noise·‖g‖ — the most the budget allows, no measurement needed."""
     z = torch.randn(flat.shape, generator=generator, dtype=flat.dtype, device=flat.device)
     return z * (cfg.max_rel_noise * float(flat.norm()) / float(z.norm()))
+
+
+def _bounds(bounds: tuple | str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_bounds`` as tensors broadcastable to x [B, C, ...], widened to contain x itself;
+    ``"batch"``: per channel (dim 1) the batch's own min and max."""
+    if bounds == "batch":
+        dims = [d for d in range(x.ndim) if d != 1] if x.ndim > 2 else list(range(x.ndim))
+        return x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True)
+    out = []
+    for value in bounds:
+        t = torch.as_tensor(value, dtype=x.dtype, device=x.device).reshape(-1)
+        if t.numel() > 1:
+            if x.ndim < 2 or x.shape[1] != t.numel():
+                raise GuardFailure(f"input_bounds has {t.numel()} channel values; "
+                                   f"the input has shape {tuple(x.shape[1:])}")
+            t = t.view(1, -1, *([1] * (x.ndim - 2)))
+        out.append(t)
+    return torch.minimum(out[0], x), torch.maximum(out[1], x)
+
+
+def _box_scale(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: torch.Tensor, tau: float, rtol: float,
+               start: float, limit: float) -> tuple[float, torch.Tensor, bool]:
+    """Smallest scale c ≥ ``start`` with every sample's clip(x + c·Δx) − x of RMSE ≥ τ, for Δx = ``shift``.
+
+    Each pixel's clipped error |clip(x + c·a) − x| is nondecreasing in c, so the worst sample's RMSE
+    is too and bisection finds c. CG's bound ‖Δx̃ − Δx‖ ≤ rtol‖Δx̃‖ and clip being 1-Lipschitz
+    bound the exact clipped RMSE below by r̃(c) − rtol·c‖Δx̃‖/√dx; that is what must reach
+    τ(1 + rtol) (aimed at τ(1 + 2·rtol)). Returns (c, r̃(c) per sample, reachable within ``limit``).
+    """
+    root = shift.shape[1] ** 0.5
+    delta = shift.view_as(x)
+    slack = rtol * shift.norm(dim=1) / root
+
+    def clipped(c: float) -> torch.Tensor:
+        return (torch.clamp(x + c * delta, low, high) - x).flatten(1).norm(dim=1) / root
+
+    def worst(c: float) -> float:
+        return float((clipped(c) - c * slack).min())
+
+    target = tau * (1 + 2 * rtol)
+    if worst(limit) < target:
+        return limit, clipped(limit), False
+    lo, hi = min(start, limit), limit
+    if worst(lo) >= target:
+        return lo, clipped(lo), True
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (lo, mid) if worst(mid) >= target else (mid, hi)
+        if hi / lo < 1 + 1e-4:
+            break
+    return hi, clipped(hi), True
 
 
 def _zeros(op: JacobianOperator, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -139,15 +139,22 @@ def assess(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, loss_fn: LossF
     return report
 
 
-def i2f_norms(op: JacobianOperator, delta: torch.Tensor, eps: torch.Tensor, rtol: float) -> tuple[torch.Tensor, ...]:
-    """(‖(K_i+ε_iI)⁻¹J_iδ‖, ‖J_iδ‖, converged) per sample — I2F's definition, written once.
+def i2f_solve(op: JacobianOperator, delta: torch.Tensor, eps: torch.Tensor, rtol: float) -> tuple[torch.Tensor, ...]:
+    """((K_i+ε_iI)⁻¹J_iδ [B, dx], ‖J_iδ‖, converged) per sample — I2F's definition, written once.
 
+    The solution is the predicted shift of sample i's best reconstruction (model-input units).
     ``delta`` is shared [dθ] or per sample [B, dθ]; the CG stops on the error bound ‖r‖/ε.
     """
     per_sample = delta.expand(op.batch_size, -1) if delta.ndim == 1 else delta
     b = op.j(per_sample.unsqueeze(1)).squeeze(1)
     solved = conjugate_gradient(lambda q: op.kmv(q.unsqueeze(1)).squeeze(1), b, eps, rtol=rtol)
-    return solved.solution.norm(dim=1), b.norm(dim=1), solved.converged
+    return solved.solution, b.norm(dim=1), solved.converged
+
+
+def i2f_norms(op: JacobianOperator, delta: torch.Tensor, eps: torch.Tensor, rtol: float) -> tuple[torch.Tensor, ...]:
+    """(‖(K_i+ε_iI)⁻¹J_iδ‖, ‖J_iδ‖, converged) per sample (see ``i2f_solve``)."""
+    shift, jd_norm, converged = i2f_solve(op, delta, eps, rtol)
+    return shift.norm(dim=1), jd_norm, converged
 
 
 def _i2f(op: JacobianOperator, report: RiskReport, wanted: set[str], delta: torch.Tensor,

@@ -53,6 +53,7 @@ epsilon = 20.0
 name = "guarded"
 defense = "gaussian"
 min_rmse = 0.2
+input_bounds = "batch"
 seed = 0
 """
 
@@ -118,6 +119,7 @@ def test_run_config_keys_are_declared_by_the_flower_app() -> None:
         assert set(emitted) <= set(declared), set(emitted) - set(declared)
     guarded = config.run_config(config.defense("guarded"))
     assert guarded["guard-defense"] == "gaussian" and guarded["guard-min-rmse"] == 0.2
+    assert guarded["guard-input-bounds"] == "batch"
     assert config.run_config(config.defense("none"))["guard-defense"] == ""
     assert config.run_config(config.defense("dp"))["localdp-epsilon"] == 20.0
 

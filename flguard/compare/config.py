@@ -24,7 +24,7 @@ from flguard.guard_config import GuardConfig
 GUARD_DEFENSES = ("none", "gaussian", "eigen", "fixed-gaussian", "pruning")
 LOCALDP_FIELDS = ("clipping_norm", "sensitivity", "epsilon", "delta")
 GUARD_FIELDS = ("min_rmse", "eps_mode", "eps", "max_rel_noise", "on_unmet", "seed", "subspace_size", "krylov_steps",
-                "rtol", "sigma", "keep_ratio")
+                "rtol", "sigma", "keep_ratio", "input_bounds", "gaussian_floor")
 #: The config shipped as ``flguard demo``.
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "simulations" / "default.toml"
 
@@ -106,6 +106,9 @@ class DefenseSpec(StrictModel):
     rtol: float | None = None
     sigma: float | None = None
     keep_ratio: float | None = None
+    input_bounds: Literal["batch"] | None = Field(None, description="'batch': verify the floor for an attacker "
+                                                                    "that clips to the data's box")
+    gaussian_floor: float | None = None
     # LocalDpMod fields
     clipping_norm: float | None = None
     sensitivity: float | None = None

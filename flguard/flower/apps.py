@@ -33,7 +33,7 @@ from flwr.serverapp.strategy.result import Result
 
 from flguard.flower import task
 from flguard.flower.dp import localdp_mod_from_config
-from flguard.flower.guard_mod import guard_mod_from_run_config
+from flguard.flower.guard_mod import guard_mod_from_run_config, prefixed_config
 from flguard.flower.malicious import AttackSpec, MaliciousServer, TargetSelector
 from flguard.flower.truth import TRUTH_DIR_KEY, resolve_path
 
@@ -201,8 +201,7 @@ def rotating_targets(partitions: Mapping[int, int], count: int) -> TargetSelecto
 
 def attack_hyperparameters(config: Mapping[str, Any]) -> dict[str, Any]:
     """``attack-hp-<name>`` keys as ``{name: value}`` (dashes become underscores)."""
-    return {key[len(ATTACK_HP_PREFIX):].replace("-", "_"): value for key, value in config.items()
-            if key.startswith(ATTACK_HP_PREFIX) and value != ""}
+    return prefixed_config(config, ATTACK_HP_PREFIX)
 
 
 def attack_specs(settings: ServerSettings, hyperparameters: Mapping[str, Any], seed: int) -> list[AttackSpec]:

@@ -24,7 +24,7 @@ from flwr.clientapp.typing import ClientAppCallable, Mod
 from pydantic import Field
 
 from flguard.config import StrictModel
-from flguard.flower.guard_mod import error_reply
+from flguard.flower.guard_mod import error_reply, prefixed_config
 from flguard.flower.task import LOCAL_STEPS_KEY, LR_KEY
 
 DP_METRIC_KEYS = ("dp_noise_norm", "dp_rel_noise")
@@ -90,8 +90,7 @@ def localdp_mod_from_config(prefix: str = "localdp-") -> Mod:
     mods: dict[tuple, Mod] = {}
 
     def mod(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
-        values = {key[len(prefix):].replace("-", "_"): value for key, value in context.run_config.items()
-                  if key.startswith(prefix) and value != ""}  # "" = unset
+        values = prefixed_config(context.run_config, prefix)
         if message.metadata.message_type.split(".")[0] != MessageType.TRAIN or "epsilon" not in values:
             return call_next(message, context)
         key = tuple(sorted(values.items()))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextvars
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from flwr.app import Context, Error, Message, MessageType, MetricRecord
@@ -176,6 +176,16 @@ def guard_mod(config: GuardConfig | None = None) -> Mod:
     return mod
 
 
+def prefixed_config(run_config: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """Run-config keys ``<prefix><field>`` as ``{field: value}`` (dashes become underscores).
+
+    A value of ``""`` means unset: a Flower app must declare every run-config key it accepts, so
+    optional keys are declared with ``""`` in its pyproject.
+    """
+    return {key[len(prefix):].replace("-", "_"): value for key, value in run_config.items()
+            if key.startswith(prefix) and value != ""}
+
+
 def guard_mod_from_run_config(prefix: str = "guard-") -> Mod:
     """Like ``guard_mod``, configured by run-config keys ``guard-<field>`` (e.g. ``guard-defense``,
     ``guard-min-rmse``) — for apps configured in pyproject's ``[tool.flwr.app.config]``. Without a
@@ -187,8 +197,7 @@ def guard_mod_from_run_config(prefix: str = "guard-") -> Mod:
     guards: dict[tuple, Guard] = {}
 
     def mod(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
-        values = {key[len(prefix):].replace("-", "_"): value for key, value in context.run_config.items()
-                  if key.startswith(prefix) and value != ""}  # "" = unset (pyproject declares every key)
+        values = prefixed_config(context.run_config, prefix)
         if not _is_train(message) or not values.get("defense"):
             return call_next(message, context)
         key = tuple(sorted(values.items()))

@@ -42,6 +42,23 @@ def test_lanczos_is_exact_after_n_steps_even_with_repeated_eigenvalues():
     assert abs(float(res.lambda_min)) < 1e-10
 
 
+def test_lanczos_is_scale_free_on_tiny_low_rank_blocks():
+    """Saturated samples give per-sample blocks of norm ~1e-6 and low rank (seen in the demo: an
+    absolute cut-off in the normalisation made the basis non-orthonormal, Ritz values 10⁴× too large
+    and Lanczos ran to n steps). The result for c·A must be c times the result for A."""
+    gen = torch.Generator().manual_seed(3)
+    low = torch.randn(4, 200, 3, generator=gen)  # rank 3 per sample, float32 like the guard
+    kernel = low @ low.transpose(1, 2)
+    truth = torch.linalg.eigvalsh(kernel.double())[:, -1]
+    for scale in (1.0, 1e-6, 1e-9):
+        res = lanczos(lambda q: torch.einsum("bij,bj->bi", kernel * scale, q), 4, 200, like=kernel, rtol=1e-3,
+                      ends="max", seed=1)
+        assert bool(res.converged.all()) and res.iterations <= 6, (scale, res.iterations)
+        torch.testing.assert_close(res.lambda_max.double() / scale, truth, rtol=1e-4, atol=0.0)
+        gram = res.basis @ res.basis.transpose(1, 2)
+        torch.testing.assert_close(gram, torch.eye(res.iterations).expand_as(gram), atol=1e-4, rtol=0.0)
+
+
 def test_cg_error_bound_gives_relative_accuracy():
     jac = _jacobians(dx=120, dtheta=200)
     kernel = jac @ jac.transpose(1, 2)

@@ -14,6 +14,43 @@ import torch  # noqa: E402
 
 SIMULATIONS = Path(__file__).resolve().parents[1] / "simulations"
 
+# A comparison small enough for the test suite: 2 clients, 2 rounds, an MLP on digits, 8 GS iterations.
+TINY_COMPARISON = """
+name = "tiny"
+seed = 0
+[task]
+dataset = "digits"
+model = "mlp"
+init = "uniform"
+clients = 2
+partitioning = "iid"
+rounds = 2
+local_steps = 2
+batch_size = 4
+lr = 0.1
+[attack]
+method = "gs"
+iterations = 8
+clients_per_round = 1
+victim_batch_size = 1
+victim_local_steps = 1
+[[defenses]]
+name = "none"
+defense = "none"
+[[defenses]]
+name = "dp"
+defense = "localdp"
+clipping_norm = 10.0
+sensitivity = 1.0
+epsilon = 20.0
+[[defenses]]
+name = "guarded"
+defense = "gaussian"
+min_rmse = 0.2
+input_bounds = "batch"
+seed = 0
+"""
+
 
 @pytest.fixture(autouse=True)
 def _seed_torch():

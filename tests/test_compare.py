@@ -19,43 +19,7 @@ from flguard.compare.config import DEFAULT_CONFIG, CompareConfig, load_config
 from flguard.compare.tables import ROUND_COLUMNS, SUMMARY_COLUMNS
 from flguard.config import ConfigError
 from flguard.models import create
-from conftest import SIMULATIONS
-
-TINY = """
-name = "tiny"
-seed = 0
-[task]
-dataset = "digits"
-model = "mlp"
-init = "uniform"
-clients = 2
-partitioning = "iid"
-rounds = 2
-local_steps = 2
-batch_size = 4
-lr = 0.1
-[attack]
-method = "gs"
-iterations = 8
-clients_per_round = 1
-victim_batch_size = 1
-victim_local_steps = 1
-[[defenses]]
-name = "none"
-defense = "none"
-[[defenses]]
-name = "dp"
-defense = "localdp"
-clipping_norm = 10.0
-sensitivity = 1.0
-epsilon = 20.0
-[[defenses]]
-name = "guarded"
-defense = "gaussian"
-min_rmse = 0.2
-input_bounds = "batch"
-seed = 0
-"""
+from conftest import SIMULATIONS, TINY_COMPARISON as TINY
 
 
 def _write(tmp_path: Path, text: str, name: str = "config.toml") -> Path:

@@ -8,8 +8,10 @@ noise: no unguarded update arrived. Every process started here is stopped by its
 
 from __future__ import annotations
 
+import csv
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SIMULATIONS
+from conftest import SIMULATIONS, TINY_COMPARISON
 from flguard.guard_report import METRIC_KEYS
 
 BIN = Path(sys.executable).parent
@@ -119,3 +121,57 @@ def test_guarded_run_survives_a_killed_supernode(tmp_path: Path, launch) -> None
     for metrics in received:
         assert set(METRIC_KEYS) <= set(metrics), metrics
         assert metrics["guard_met"] == 1.0 and metrics["guard_min_rmse_after"] >= 0.05 and metrics["guard_noise_norm"] > 0
+
+
+# The suite's tiny comparison with one round and two defenses: one ``flwr run`` each.
+DEPLOYED_COMPARISON = re.sub(r'\[\[defenses\]\]\nname = "dp"\n[^\[]*', "",
+                             TINY_COMPARISON.replace("rounds = 2", "rounds = 1"))
+
+
+def test_compare_recipe_on_the_deployment_engine(tmp_path: Path, launch) -> None:
+    """docs/compare.md's recipe, command for command: a SuperLink and one SuperNode per client,
+    one ``flwr run`` per defense with the run config ``flguard compare --run-config`` prints, then
+    ``flguard compare`` merges the finished runs without redoing any in the Simulation Engine."""
+    config, out = tmp_path / "deployed.toml", tmp_path / "out"
+    config.write_text(DEPLOYED_COMPARISON)
+    port = _free_port()
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    (home / "config.toml").write_text(f'[superlink]\ndefault = "local-deployment"\n\n[superlink.local-deployment]\n'
+                                      f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_TELEMETRY_ENABLED": "0",
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    launch([str(BIN / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
+            "--port", str(port)], tmp_path / "superlink.log", env)
+    _wait_for_port(port, 90)
+    for k in range(2):
+        launch([str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
+                "--port", str(_free_port()), "--node-config", f"partition-id={k} num-partitions=2"],
+               tmp_path / f"supernode-{k}.log", env)
+    _wait_for_log(tmp_path / "superlink.log", "Activated node_id=", count=2, seconds=180)
+    flguard = [str(BIN / "flguard"), "compare", str(config), "--out", str(out)]
+    for defense in ("none", "guarded"):
+        printed = subprocess.run([*flguard, "--run-config", defense], env=env, capture_output=True, text=True,
+                                 check=True).stdout.strip()
+        assert "sim-truth-dir" not in printed and f'out-dir="{out.resolve() / "runs" / defense}"' in printed
+        log = tmp_path / f"run-{defense}.log"
+        run = launch([str(BIN / "flwr"), "run", str(SIMULATIONS), "local-deployment", "--stream",
+                      "--run-config", printed], log, env)
+        assert run.wait(timeout=600) == 0, log.read_text()[-3000:]
+    summaries = {d: out / "runs" / d / "summary.json" for d in ("none", "guarded")}
+    written = {d: path.stat().st_mtime_ns for d, path in summaries.items()}
+    merged = subprocess.run(flguard, env=env, capture_output=True, text=True, timeout=600)
+    assert merged.returncode == 0, merged.stdout[-3000:] + merged.stderr[-3000:]
+    assert "none: skip" in merged.stdout and "guarded: skip" in merged.stdout, merged.stdout[-3000:]
+    assert {d: path.stat().st_mtime_ns for d, path in summaries.items()} == written  # not redone
+    with (out / "rounds.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert sorted((r["defense"], r["client"]) for r in rows) == [("guarded", "0"), ("guarded", "1"),
+                                                                 ("none", "0"), ("none", "1")]
+    guarded = [r for r in rows if r["defense"] == "guarded"]
+    assert all(float(r["min_pred_rmse"]) >= 0.2 and float(r["noise_norm"]) > 0 for r in guarded), guarded
+    attacked = [r for r in rows if r["attack_method"]]
+    # One victim per round and defense; no true batch outside simulations, so no scores.
+    assert len(attacked) == 2 and all(r["attack_method"] == "gs" and r["attack_psnr"] == "" for r in attacked), attacked
+    assert (out / "report.html").exists() and (out / "summary.csv").exists()

@@ -8,6 +8,7 @@ from torch import nn
 
 from flguard.risk import assess
 from flguard.risk.closed_forms import expected_i2f_sq
+from flguard.risk.operator import JacobianOperator
 from risk_reference import dense_jacobians, dense_metrics
 
 RTOL = 1e-3
@@ -149,6 +150,22 @@ def test_gaussian_closed_form_matches_monte_carlo():
     rep = assess(model, x, y, delta=draws[0], eps=eps, metrics=("i2f",))
     dense = torch.einsum("bij,bjp,p->bi", inverse, jac, draws[0]).norm(dim=1)
     torch.testing.assert_close(rep.i2f, dense, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("name,coupled", [("conv", False), ("conv", True), ("batchnorm-train", True)])
+def test_operator_products_equal_dense_jacobian_products(name, coupled):
+    """J_iᵀu and J_i v with several vectors per sample, called repeatedly (the products reuse one
+    cached pullback), against the dense autograd Jacobian."""
+    model, x, y = _problem(name, 3)
+    jac, _ = dense_jacobians(model, x, y)
+    op = JacobianOperator(model, x, y, coupled=coupled)
+    assert op.coupled == coupled
+    for _ in range(2):
+        u = torch.randn(3, 4, op.dx, dtype=x.dtype)
+        v = torch.randn(3, 2, op.dtheta, dtype=x.dtype)
+        torch.testing.assert_close(op.jt(u), torch.einsum("bkd,bdp->bkp", u, jac), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(op.j(v), torch.einsum("bdp,bkp->bkd", jac, v), rtol=1e-10, atol=1e-12)
+    assert op.applications == 2 * (4 + 2)
 
 
 def test_forced_coupled_path_agrees_with_per_sample_path():

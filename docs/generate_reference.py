@@ -218,7 +218,8 @@ def fill_markers(text: str, blocks: dict[str, str]) -> str:
 #: (module, heading, names): documented in this order.
 API: list[tuple[str, str, list[str]]] = [
     ("flguard", "The guard", ["GuardConfig", "Guard", "GuardReport", "GuardOutput"]),
-    ("flguard.risk", "Risk metrics", ["assess", "RiskReport", "architecture_index"]),
+    ("flguard.risk", "Risk metrics", ["assess", "RiskReport", "architecture_index", "JacobianOperator", "lanczos",
+                                     "conjugate_gradient"]),
     ("flguard.attacks", "Attacks", ["reconstruct", "Reconstruction", "hyperparameters_of", "methods",
                                     "recover_labels"]),
     ("flguard.flower", "Flower integration", [

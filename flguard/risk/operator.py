@@ -92,6 +92,9 @@ class JacobianOperator:
 
     Vectors are batched as [B, k, dx] for ``jt`` and [B, k, dθ] for ``j``; ``applications``
     counts operator applications per sample (a call on k vectors for each sample counts k).
+    The operator is a snapshot of (model, batch): its products reuse pullbacks built at the first
+    call, so build a new operator after changing the model's parameters (products of an operator
+    whose parameters were then modified in place are not defined).
     """
 
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,

@@ -89,3 +89,18 @@ def study_argparser(doc: str):
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--seed", type=int, default=0, help="model and sample-selection seed")
     return parser
+
+
+def parse_study_args(parser, *, full: dict, cpu: dict):
+    """Parse, then give every option still None its preset: ``full`` with --full, else ``cpu``.
+
+    Also pins torch to one thread: the studies time attacks on a shared 2-core machine.
+    """
+    import torch
+
+    args = parser.parse_args()
+    for key, value in (full if args.full else cpu).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    torch.set_num_threads(1)
+    return args

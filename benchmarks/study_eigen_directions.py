@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from _common import dense_jacobian, flat_gradient, model_and_batch, pixel_scores, study_argparser, study_paths, write_table
+from _common import dense_jacobian, flat_gradient, model_and_batch, pixel_scores, parse_study_args, study_argparser, study_paths, write_table
 from flguard.attacks import reconstruct
 from flguard.risk import assess
 from flguard.risk.operator import JacobianOperator
@@ -87,13 +87,8 @@ def main() -> None:
     parser.add_argument("--line-search", default="strong_wolfe", type=lambda s: None if s == "none" else s,
                         help="DLG's L-BFGS line search: strong_wolfe (default: without it L-BFGS at lr 1 "
                              "diverges on some perturbed uploads) or none (the published DLG)")
-    args = parser.parse_args()
-    defaults = {"samples": 10, "directions": 8, "dlg_steps": 50, "restarts": 2} if args.full else \
-        {"samples": 4, "directions": 6, "dlg_steps": 20, "restarts": 1}
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    torch.set_num_threads(1)
+    args = parse_study_args(parser, full={"samples": 10, "directions": 8, "dlg_steps": 50, "restarts": 2},
+                            cpu={"samples": 4, "directions": 6, "dlg_steps": 20, "restarts": 1})
     start = time.perf_counter()
     model, xs, ys, data = model_and_batch("lenet", "mnist5k", args.samples, seed=args.seed, device=args.device, offset=300)
     picked = [directions(model, xs[i:i + 1], ys[i:i + 1], args.directions, args.lambda_ratio) for i in range(args.samples)]

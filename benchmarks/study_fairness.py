@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from scipy.stats import spearmanr
 
-from _common import flat_gradient, pixel_scores, study_argparser, study_paths, write_table
+from _common import flat_gradient, pixel_scores, parse_study_args, study_argparser, study_paths, write_table
 from flguard import Guard, GuardConfig
 from flguard.attacks import reconstruct
 from flguard.data import load
@@ -184,13 +184,9 @@ def main() -> None:
     parser.add_argument("--restarts", type=int, default=None, help="(1; --full 2)")
     parser.add_argument("--line-search", default="strong_wolfe", type=lambda s: None if s == "none" else s,
                         help="DLG's L-BFGS line search: strong_wolfe (default) or none (the published DLG)")
-    args = parser.parse_args()
-    defaults = {"datasets": ["mnist5k", "lfw-faces"], "per_class": 20, "dlg_steps": 30, "restarts": 2} if args.full \
-        else {"datasets": ["mnist5k"], "per_class": 3, "dlg_steps": 10, "restarts": 1}
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    torch.set_num_threads(1)
+    args = parse_study_args(parser,
+                            full={"datasets": ["mnist5k", "lfw-faces"], "per_class": 20, "dlg_steps": 30, "restarts": 2},
+                            cpu={"datasets": ["mnist5k"], "per_class": 3, "dlg_steps": 10, "restarts": 1})
     start = time.perf_counter()
     print(f"Fairness study: LeNet uniform init, B=1, {args.per_class} per class, σ = {args.sigma_rel} × median gradient "
           f"RMS, DLG {args.dlg_steps}×20 L-BFGS, restarts {args.restarts}", flush=True)

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from _common import flat_gradient, model_and_batch, pixel_scores, study_argparser, study_paths, write_table
+from _common import flat_gradient, model_and_batch, pixel_scores, parse_study_args, study_argparser, study_paths, write_table
 from flguard.attacks import reconstruct
 from flguard.risk import assess
 
@@ -105,13 +105,8 @@ def main() -> None:
                         help="DLG's L-BFGS line search: strong_wolfe (default) or none (the published DLG)")
     parser.add_argument("--no-reference", dest="reference", action="store_false",
                         help="skip the noiseless attacks (the attack's own error per init)")
-    args = parser.parse_args()
-    defaults = {"samples": 10, "dlg_steps": 30, "gs_iterations": 2000, "restarts": 3} if args.full else \
-        {"samples": 6, "dlg_steps": 8, "gs_iterations": 200, "restarts": 1}
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    torch.set_num_threads(1)
+    args = parse_study_args(parser, full={"samples": 10, "dlg_steps": 30, "gs_iterations": 2000, "restarts": 3},
+                            cpu={"samples": 6, "dlg_steps": 8, "gs_iterations": 200, "restarts": 1})
     start = time.perf_counter()
     print(f"Initialization study: LeNet, MNIST-5k, B=1, {args.samples} samples, σ = {args.sigma} (same draws for "
           f"every init), DLG {args.dlg_steps}×20 L-BFGS, GS {args.gs_iterations} its, restarts {args.restarts}", flush=True)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from scipy.stats import spearmanr
 
-from _common import dense_jacobian, flat_gradient, model_and_batch, pixel_scores, study_argparser, study_paths, write_table
+from _common import dense_jacobian, flat_gradient, model_and_batch, pixel_scores, parse_study_args, study_argparser, study_paths, write_table
 from flguard.attacks import reconstruct
 from flguard.risk import assess
 from flguard.risk.operator import JacobianOperator
@@ -118,13 +118,9 @@ def main() -> None:
     parser.add_argument("--dlg-steps", type=int, default=None, help="L-BFGS step calls of 20 its (3; --full 50)")
     parser.add_argument("--gs-iterations", type=int, default=None, help="(80; --full 2000)")
     parser.add_argument("--restarts", type=int, default=None, help="(1; --full 3, as seed 001)")
-    args = parser.parse_args()
     full = {"samples": 100, "dlg_steps": 50, "gs_iterations": 2000, "restarts": 3}
     cpu = {"samples": 50, "dlg_steps": 3, "gs_iterations": 80, "restarts": 1}
-    for key, value in (full if args.full else cpu).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    torch.set_num_threads(1)
+    args = parse_study_args(parser, full=full, cpu=cpu)
     start = time.perf_counter()
     print(f"LAVP study: LeNet uniform init, B=1, {args.samples} samples per dataset; DLG {args.dlg_steps}×20 "
           f"L-BFGS, GS {args.gs_iterations} its (no TV), restarts {args.restarts}", flush=True)

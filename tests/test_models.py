@@ -62,6 +62,23 @@ def _weights(model):
     return torch.cat([m.weight.reshape(-1) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))])
 
 
+@pytest.mark.parametrize("channels,size,classes", [(3, 32, 10), (1, 28, 10), (1, 25, 2)])
+def test_cnn_is_the_flower_quickstart_shape(channels, size, classes):
+    """Parameter count from the quickstart's layer list, written out by hand: conv 5×5 ×6, pool,
+    conv 5×5 ×16, pool, FC 120, 84, classes (CIFAR-10: the quickstart's own 62,006)."""
+    side = ((size - 4) // 2 - 4) // 2
+    expected = (channels * 6 * 25 + 6) + (6 * 16 * 25 + 16) + (16 * side * side * 120 + 120) \
+        + (120 * 84 + 84) + (84 * classes + classes)
+    model = create("cnn", in_channels=channels, image_size=size, num_classes=classes)
+    assert sum(p.numel() for p in model.parameters()) == expected
+    if (channels, size, classes) == (3, 32, 10):
+        assert expected == 62006
+    kinds = [type(m).__name__ for m in model.modules()][1:]
+    assert kinds == ["Conv2d", "Conv2d", "MaxPool2d", "Linear", "Linear", "Linear"]
+    with pytest.raises(ValueError, match="'cnn': image_size=12 is too small"):
+        create("cnn", image_size=12)
+
+
 def test_uniform_and_normal_inits():
     torch.manual_seed(0)
     model = create("cnn2_v1", init="uniform")

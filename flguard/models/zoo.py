@@ -1,4 +1,5 @@
-"""Architectures: the I2F LeNet, Chen & Campbell's CNN variants, an MLP, a linear model, ResNet18."""
+"""Architectures: Flower's quickstart CNN, the I2F LeNet, Chen & Campbell's CNN variants, an MLP, a linear
+model, ResNet18."""
 
 from __future__ import annotations
 
@@ -79,6 +80,35 @@ def _cnn(name: str) -> Callable[[int, int, int], nn.Module]:
     return build
 
 
+class QuickstartCNN(nn.Module):
+    """Flower's quickstart-pytorch CNN shape, generic in channels, image size and classes:
+    conv 5×5 ×6 → ReLU → max-pool 2 → conv 5×5 ×16 → ReLU → max-pool 2 → FC 120 → ReLU → FC 84 →
+    ReLU → FC classes. A model that learns (≈ 98% on MNIST), the main task's; ReLU and max-pool
+    are piecewise linear, so its per-sample Jacobian ∇ₓ∇_θ L exists almost everywhere."""
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int) -> None:
+        super().__init__()
+        size = (image_size - 4) // 2
+        size = (size - 4) // 2
+        if size < 1:
+            raise ValueError(f"model 'cnn': image_size={image_size} is too small (need at least 16: two 5×5 "
+                             f"convolutions, each followed by a 2×2 max-pool)")
+        self.conv1 = nn.Conv2d(in_channels, 6, 5)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.pool = nn.MaxPool2d(2, 2)
+        self.fc1 = nn.Linear(16 * size * size, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(torch.relu(self.conv1(x)))
+        x = self.pool(torch.relu(self.conv2(x)))
+        x = x.flatten(1)
+        x = torch.relu(self.fc1(x))
+        x = torch.relu(self.fc2(x))
+        return self.fc3(x)
+
+
 def _mlp(in_channels: int, num_classes: int, image_size: int, hidden: int = 256) -> nn.Module:
     """Two-layer perceptron with a sigmoid hidden layer (smooth, like the I2F LeNet)."""
     return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size**2, hidden), nn.Sigmoid(),
@@ -102,6 +132,7 @@ def _resnet18(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
 
 
 _BUILDERS: dict[str, Callable[[int, int, int], nn.Module]] = {
+    "cnn": QuickstartCNN,
     "lenet": _lenet,
     **{name: _cnn(name) for name in CNN_VARIANTS},
     "mlp": _mlp,

@@ -88,3 +88,19 @@ def test_unsupported_models_and_batches_raise(method):
     gradient = [torch.ones_like(p) for p in tanh.parameters()]
     with pytest.raises(ValueError, match="one sample"):
         reconstruct(tanh, gradient, (1, 8, 8), method=method, labels=[0, 1], batch_size=2)
+
+
+def test_hybrid_never_ends_worse_than_its_rgap_start(face):
+    """On a c(M) = 0 tanh net R-GAP is exact; TV pulls the published last iterate away from it
+    (issue 12 §5), while the kept iterate matches the upload, and the face, at least as well."""
+    x, y = face
+    model = zoo.create("cnn2_v1", in_channels=1, image_size=25, num_classes=2, init="uniform").double()
+    gradient = _upload(model, x, y)
+    rgap = reconstruct(model, gradient, (1, 25, 25), method="rgap")
+    kept = reconstruct(model, gradient, (1, 25, 25), method="hybrid", iterations=300)
+    last = reconstruct(model, gradient, (1, 25, 25), method="hybrid", iterations=300, keep_best=False)
+    assert kept.loss <= rgap.loss
+    assert float(psnr(kept.images, x)) >= float(psnr(rgap.images, x)) - 1e-6
+    assert kept.extra["rgap_loss"] == pytest.approx(rgap.loss)
+    assert last.extra["kept"] == "hybrid" and last.loss > rgap.loss  # the published behaviour drifts
+    assert float(psnr(last.images, x)) < float(psnr(kept.images, x))

@@ -16,7 +16,7 @@ from torch import nn
 
 # Modules that hold registered attacks; imported on first use of the registry.
 METHOD_MODULES = ("flguard.attacks.dlg", "flguard.attacks.gs", "flguard.attacks.rgap", "flguard.attacks.hybrid",
-                  "flguard.attacks.adaptive")
+                  "flguard.attacks.adaptive", "flguard.attacks.strongest")
 
 
 @dataclass

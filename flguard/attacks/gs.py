@@ -32,6 +32,9 @@ from flguard.attacks.unroll import make_observer
 # difference per image in pixel units, which is theirs up to the normalisation's 1/std).
 DEFAULT_ITERATIONS = 4800
 DEFAULT_TV = 1e-1
+# The strongest-attack mode's TV sweep: 0.1 suits natural images, digits want (almost) none; the
+# attacker cannot see the truth, so the candidate with the lowest matching loss wins.
+STRONGEST_TVS = (0.0, 1e-4, 1e-2, 1e-1)
 
 
 def milestones(iterations: int) -> list[int]:
@@ -54,7 +57,8 @@ def gs(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[i
        distance: str = "cosine", init: str | torch.Tensor = "randn", local_steps: int = 1,
        local_lr: float | None = None, local_batch_size: int | None = None,
        local_batches: Sequence[Sequence[int]] | None = None, log_every: int = 100, observer_mode: str = "auto",
-       ignore_subspace: torch.Tensor | None = None) -> Reconstruction:
+       ignore_subspace: torch.Tensor | None = None, strongest: bool = False,
+       tv_sweep: Sequence[float] | None = None) -> Reconstruction:
     """Geiping et al.'s attack. ``labels`` [B] are known (``reconstruct`` recovers them if not).
 
     Hyperparameters: ``lr`` Adam step; ``tv`` weight of total variation (pixel units);
@@ -64,23 +68,33 @@ def gs(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[i
     ``local_steps``/``local_lr``/``local_batch_size``/``local_batches`` attack a K-step FedAvg
     update by unrolling (see ``flguard.attacks.unroll``); ``log_every`` history period;
     ``observer_mode`` 'auto' | 'vmap' | 'autograd'; ``ignore_subspace`` [dθ, r] orthonormal
-    parameter-space directions removed from both gradients before matching (the adaptive attack).
+    parameter-space directions removed from both gradients before matching (the adaptive attack);
+    ``tv_sweep`` TV weights to try instead of ``tv`` (every restart runs with each, all candidates
+    optimised together as one batch, the lowest matching loss wins); ``strongest=True`` is the
+    strongest-attack mode: the sweep ``STRONGEST_TVS`` unless ``tv_sweep`` is given.
+    ``extra['tv']`` is the winning candidate's TV weight, ``extra['sweep_losses']`` the best
+    matching loss reached with each weight of the sweep.
     """
     start = time.perf_counter()
     iterations = DEFAULT_ITERATIONS if iterations is None else iterations
+    weights = tuple(float(w) for w in (tv_sweep if tv_sweep is not None else STRONGEST_TVS if strongest else (tv,)))
     if distance not in MATCHING_DISTANCES:
         raise ValueError(f"distance={distance!r} must be one of {', '.join(MATCHING_DISTANCES)}")
-    if tv < 0 or lr <= 0:
-        raise ValueError(f"tv={tv} must be >= 0 and lr={lr} > 0")
+    if not weights or min(weights) < 0 or tv < 0 or lr <= 0:
+        raise ValueError(f"tv={tv} and tv_sweep={tv_sweep} must be >= 0 (and the sweep non-empty), lr={lr} > 0")
     matching = MATCHING_DISTANCES[distance]
     basis = subspace_basis(ignore_subspace, target)
     target = project_target(target, basis)
     space = InputSpace(input_shape, mean, std, device=device, dtype=target[0].dtype)
     observer = make_observer(model, loss_fn, batch_size, local_steps=local_steps, local_lr=local_lr,
                              local_batch_size=local_batch_size, local_batches=local_batches, mode=observer_mode)
-    y = labels.to(device).unsqueeze(0).expand(restarts, *labels.shape)
+    candidates = restarts * len(weights)  # candidate c runs with TV weight weights[c // restarts]
+    y = labels.to(device).unsqueeze(0).expand(candidates, *labels.shape)
+    tv_of = torch.tensor(weights, device=device, dtype=target[0].dtype).repeat_interleave(restarts)
 
-    x = space.initial(restarts, batch_size, init, generator)
+    x = space.initial(candidates, batch_size, init, generator)
+    if isinstance(init, torch.Tensor):
+        x[::restarts] = x[0].clone()  # the warm start begins every TV weight's first restart
     if boxed:
         space.clamp_(x)
     x.requires_grad_(True)
@@ -89,7 +103,7 @@ def gs(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[i
 
     def objective(candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         match = matching(project_out(observer(candidates, y), basis), target)
-        prior = tv * total_variation(space.to_pixels(candidates)).mean(dim=1) if tv > 0 else 0.0
+        prior = tv_of * total_variation(space.to_pixels(candidates)).mean(dim=1) if max(weights) > 0 else 0.0
         return match, match + prior
 
     history: list[float] = []
@@ -112,4 +126,7 @@ def gs(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[i
     history.append(float(final[best]))
     return Reconstruction(images=x.detach()[best].clone(), labels=labels.detach().clone(), loss=float(final[best]),
                           history=history, seconds=time.perf_counter() - start, method="gs",
-                          extra={"restart_losses": final.tolist(), "best_restart": best, "iterations": iterations})
+                          extra={"restart_losses": final.tolist(), "best_restart": best, "iterations": iterations,
+                                 "tv": weights[best // restarts],
+                                 "sweep_losses": {w: float(final[k * restarts:(k + 1) * restarts].min())
+                                                  for k, w in enumerate(weights)}})

@@ -2,15 +2,19 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "Guard", "GuardConfig", "GuardReport", "GuardOutput"]
+__all__ = ["__version__", "Guard", "GuardConfig", "GuardReport", "GuardOutput", "GuardFailure", "make_guarded"]
 
 
 def __getattr__(name: str):
     # The guard pulls in torch.func machinery; import it on first use so `flguard --help` is fast.
-    if name == "Guard":
-        from flguard.guard import Guard
+    if name in ("Guard", "GuardFailure"):
+        from flguard import guard
 
-        return Guard
+        return getattr(guard, name)
+    if name == "make_guarded":
+        from flguard.training import make_guarded
+
+        return make_guarded
     if name == "GuardConfig":
         from flguard.guard_config import GuardConfig
 

@@ -2,18 +2,22 @@
 
 Adoption is two edits (see docs/guard.md):
 
-    app = ClientApp(mods=[guard_mod(GuardConfig(defense="eigen", min_rmse=0.05))])
+    app = ClientApp(mods=[guard_mod(GuardConfig(...))])
     ...
-    grads = guard_step(model, x, y, grads)      # in the train handler, before the SGD update
+    model, optimizer, criterion = make_guarded(model, optimizer, criterion)   # in the train code
 
-How it fits together: while a *train* message is handled, the mod opens a ``GuardSession`` in a
-context variable; ``guard_step`` (called by the handler once per local step, with the batch the
-gradient came from) runs ``Guard.protect`` and returns the perturbed gradient, so multi-step local
-training is guarded per step and FedSGD (one step) is exact. After the handler returns, the mod
-adds the guard's numeric metrics (fixed keys, every round) to the reply's MetricRecord, with the
-round's worst sample over its steps. A dropped step, a handler that never called ``guard_step``,
-or a reply that is not one ArrayRecord + one MetricRecord becomes a Flower *error* reply that says
-why — never an unguarded update. Evaluate and query messages pass through untouched.
+(or, for hand-written loops, ``grads = guard_step(model, x, y, grads)`` before each update).
+
+How it fits together: while a *train* message is handled, the mod opens a ``GuardSession``
+(``flguard.guard_session``); every guarded step — ``make_guarded``'s ``optimizer.step()`` or a
+``guard_step`` call — runs ``Guard.protect`` and files its report there, and every
+``torch.optim.Optimizer.step()`` of the round is counted by a global optimizer hook. So
+multi-step local training is guarded per step and FedSGD (one step) is exact. After the handler
+returns, the mod adds the guard's numeric metrics (fixed keys, every round) to the reply's
+MetricRecord, with the round's worst sample over its steps. A dropped step, a misused loop, a
+round with no guarded step or with *any* optimizer step that was not guarded, or a reply that is
+not one ArrayRecord + one MetricRecord becomes a Flower *error* reply that says why — never an
+unguarded update. Evaluate and query messages pass through untouched.
 
 Legacy clients (``client_fn`` + ``NumPyClient``) reply in Flower's compat layout; the metrics then go
 into its ``fitres.metrics`` record, which legacy strategies read. Flower's SecAgg+ mod sends its
@@ -25,9 +29,7 @@ so it chains with ``secaggplus_mod`` in either order.
 
 from __future__ import annotations
 
-import contextvars
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -38,9 +40,10 @@ from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from flwr.common.secure_aggregation.secaggplus_constants import Stage as SecAggStage
 from torch import nn
 
-from flguard.guard import Guard
+from flguard.guard import Guard, GuardFailure
 from flguard.guard_config import GuardConfig
 from flguard.guard_report import METRIC_KEYS, GuardReport
+from flguard.guard_session import GuardSession, active_session, open_session
 
 _LOG = logging.getLogger("flguard")
 
@@ -50,7 +53,7 @@ GUARD_ERROR_CODE = 6
 LEGACY_FIT_METRICS = "fitres.metrics"
 
 
-class GuardDropped(RuntimeError):
+class GuardDropped(GuardFailure):
     """A local step's update could not be guarded; the round's reply must not carry it."""
 
     def __init__(self, report: GuardReport) -> None:
@@ -58,36 +61,21 @@ class GuardDropped(RuntimeError):
         self.report = report
 
 
-@dataclass
-class GuardSession:
-    """The guard and what it reported during one train message."""
-
-    guard: Guard
-    reports: list[GuardReport] = field(default_factory=list)
-
-
-_ACTIVE: contextvars.ContextVar[GuardSession | None] = contextvars.ContextVar("flguard_guard_session", default=None)
-
-
-def active_session() -> GuardSession | None:
-    """The session of the train message being handled under ``guard_mod``, if any."""
-    return _ACTIVE.get()
-
-
 def guard_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, gradients: Sequence[torch.Tensor],
                loss_fn=None) -> list[torch.Tensor]:
     """Guard one local step: per-parameter gradients of the batch ``(x, y)`` → perturbed ones.
 
-    Outside ``guard_mod`` (no active session) the gradients pass through unchanged, so the same
-    training code serves unguarded baselines. Raises ``GuardDropped`` when the guard withholds
-    the update.
+    The functional path, for hand-written loops (``make_guarded`` is the drop-in for ordinary
+    ``loss.backward(); optimizer.step()`` loops). Outside ``guard_mod`` (no active session) the
+    gradients pass through unchanged, so the same training code serves unguarded baselines.
+    Raises ``GuardDropped`` when the guard withholds the update.
     """
-    session = _ACTIVE.get()
+    session = active_session()
     if session is None:
         return list(gradients)
     flat = torch.cat([g.reshape(-1) for g in gradients])
     out = session.guard.protect(model, x, y, flat, loss_fn=loss_fn)
-    session.reports.append(out.report)
+    session.file(out.report)
     if out.gradient is None:
         raise GuardDropped(out.report)
     return [chunk.view_as(g) for chunk, g in zip(out.gradient.split([g.numel() for g in gradients]), gradients)]
@@ -118,21 +106,18 @@ def error_reply(message: Message, reason: str) -> Message:
 def _guarded_call(guard: Guard, message: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Run the train handler inside a guard session and vet its reply (see module doc)."""
     secagg_control = _is_secagg_control(message)  # before call_next: secaggplus_mod pops the stage
-    session = GuardSession(guard)
-    token = _ACTIVE.set(session)
-    try:
-        reply = call_next(message, context)
-    except GuardDropped as dropped:
-        return error_reply(message, dropped.report.reason)
-    finally:
-        _ACTIVE.reset(token)
+    with open_session(guard) as session:
+        try:
+            reply = call_next(message, context)
+        except GuardFailure as failure:  # a withheld step (guard_step or make_guarded) or a misused loop
+            return error_reply(message, str(failure))
     if reply.has_error():
         return reply
-    if not session.reports:
-        if secagg_control and not _carries_update(reply):
+    problem = session_problem(session)
+    if problem:
+        if secagg_control and not session.optimizer_steps and not _carries_update(reply):
             return reply  # SecAgg+ keys or mask shares: no model update to guard
-        return error_reply(message, "the train handler never called flguard.flower.guard_step, "
-                                     "so the update was not guarded")
+        return error_reply(message, problem)
     for report in session.reports:
         if not report.met:  # max-noise or an acknowledged send: the reply goes out, say why here
             _LOG.warning("flguard: update sent with guard_met=0: %s", report.reason)
@@ -147,6 +132,22 @@ def _guarded_call(guard: Guard, message: Message, context: Context, call_next: C
     name, record = metric_records[0]
     reply.content[name] = MetricRecord({**dict(record), **metrics})
     return reply
+
+
+def session_problem(session: GuardSession) -> str:
+    """Why a round's update must not be sent ('' when every step was guarded).
+
+    Every ``torch.optim.Optimizer.step()`` taken during the round is counted; each must have gone
+    through the guard (``make_guarded``'s optimizer, or a ``guard_step`` before it)."""
+    if not session.reports:
+        return ("the train handler never guarded a step (no make_guarded optimizer step and no "
+                "flguard.flower.guard_step call), so the update was not guarded")
+    unguarded = session.unguarded_steps()
+    if unguarded:
+        return (f"{unguarded} of {session.optimizer_steps} optimizer steps this round were not guarded "
+                f"({session.guarded_steps} guarded): every step must go through make_guarded's optimizer "
+                "or guard_step")
+    return ""
 
 
 def _is_train(message: Message) -> bool:
@@ -211,5 +212,6 @@ def guard_mod_from_run_config(prefix: str = "guard-") -> Mod:
     return mod
 
 
-__all__ = ["guard_mod", "guard_mod_from_run_config", "guard_step", "GuardDropped", "GuardSession", "round_metrics",
+__all__ = ["guard_mod", "guard_mod_from_run_config", "guard_step", "GuardDropped", "GuardSession", "session_problem",
+           "active_session", "round_metrics",
            "METRIC_KEYS"]

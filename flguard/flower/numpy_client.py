@@ -15,9 +15,10 @@ from typing import Any
 
 from flwr.client import NumPyClient
 
-from flguard.flower.guard_mod import _ACTIVE, GuardSession, round_metrics
+from flguard.flower.guard_mod import round_metrics, session_problem
 from flguard.guard import Guard
 from flguard.guard_config import GuardConfig
+from flguard.guard_session import open_session
 
 
 class UnguardedUpdate(RuntimeError):
@@ -41,12 +42,9 @@ class GuardedNumPyClient(NumPyClient):
         return self.client.evaluate(parameters, config)
 
     def fit(self, parameters, config: dict[str, Any]):
-        session = GuardSession(self.guard)
-        token = _ACTIVE.set(session)
-        try:
-            arrays, num_examples, metrics = self.client.fit(parameters, config)  # GuardDropped propagates
-        finally:
-            _ACTIVE.reset(token)
-        if not session.reports:
-            raise UnguardedUpdate("fit never called flguard.flower.guard_step, so the update was not guarded")
+        with open_session(self.guard) as session:
+            arrays, num_examples, metrics = self.client.fit(parameters, config)  # GuardFailure propagates
+        problem = session_problem(session)
+        if problem:
+            raise UnguardedUpdate(problem)
         return arrays, num_examples, {**(metrics or {}), **round_metrics(session.reports)}

@@ -1,0 +1,309 @@
+"""``make_guarded``: guard an unchanged PyTorch training loop, the way Opacus's ``make_private`` does DP-SGD.
+
+    model, optimizer, criterion = make_guarded(model, optimizer, criterion, GuardConfig(...))
+    for x, y in loader:                      # the user's loop, unchanged
+        optimizer.zero_grad()
+        loss = criterion(model(x), y)
+        loss.backward()
+        optimizer.step()                     # the guarded gradient of (x, y) is what gets applied
+
+How: the model is returned as the same object with two hooks that record the input and output of
+each forward pass run with gradients on; the criterion is wrapped so that it records the targets
+and the loss it returned. ``optimizer.step()`` then
+
+1. checks that exactly one forward pass and one criterion call happened since the last step and
+   that the criterion saw that forward's output (else: two passes, accumulation or a loss the
+   wrapper cannot see — each a clear ``GuardMisuse``);
+2. recomputes the gradient of ``criterion(model(x), y)`` and requires the parameters' ``.grad`` to
+   equal it: a loss with extra terms, or gradients accumulated over several batches (a missing
+   ``zero_grad``), differ and are refused — the guard must measure the very loss that was sent;
+3. runs ``Guard.protect`` on that gradient; a withheld update raises ``GuardFailure`` with the
+   reason, clears ``.grad`` and leaves the parameters untouched — an unguarded step is never
+   applied;
+4. writes the guarded gradient into ``.grad`` and lets the wrapped optimizer (SGD with or without
+   momentum, Adam, AdamW, …) take its step. Momentum and Adam's moments then only ever see guarded
+   gradients, so the update is post-processing of guarded data.
+
+Under ``flguard.flower.guard_mod`` each step's report is also filed with the round's session, so
+the mod can check that every optimizer step of the round was guarded. With ``config=None`` the
+optimizer uses the session's guard (the mod's configuration).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from flguard.guard import Guard, GuardFailure
+from flguard.guard_config import GuardConfig
+from flguard.guard_report import GuardReport
+from flguard.guard_session import active_session
+
+#: ‖.grad − ∇θ criterion(model(x), y)‖ ≤ this × ‖∇θ …‖ (+ a tiny absolute slack) counts as "the same
+#: loss": the recomputation runs the same operations on the same data, so only float reordering differs.
+GRADIENT_MATCH_RTOL = 1e-4
+
+
+class GuardMisuse(GuardFailure):
+    """The training loop does something the guard cannot cover; the message says what and how to fix it."""
+
+
+class _Recorder:
+    """What the guarded loop did since the last optimizer step: forward passes and criterion calls."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.paused = False
+        self.clear()
+
+    def clear(self) -> None:
+        self.inputs: list[Any] = []
+        self.outputs: list[torch.Tensor] = []
+        self.targets: list[Any] = []
+        self.losses: list[torch.Tensor] = []
+        self.loss_inputs: list[torch.Tensor] = []
+
+    def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.paused or not torch.is_grad_enabled():
+            return
+        self.inputs.append((args, kwargs))
+
+    def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.paused or not torch.is_grad_enabled():
+            return
+        self.outputs.append(output)
+
+    def criterion_called(self, prediction: Any, target: Any, loss: torch.Tensor) -> None:
+        if self.paused or not torch.is_grad_enabled():
+            return
+        self.loss_inputs.append(prediction)
+        self.targets.append(target)
+        self.losses.append(loss)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one (x, y) of this step, or ``GuardMisuse`` saying why there is none."""
+        if not self.inputs:
+            raise GuardMisuse("optimizer.step() without a forward pass of the guarded model since the last step "
+                              "(with gradients enabled): the guard has no batch to measure")
+        if len(self.inputs) > 1:
+            raise GuardMisuse(f"{len(self.inputs)} forward passes of the guarded model before one optimizer.step(): "
+                              "gradient accumulation over several batches (or an extra forward pass with gradients "
+                              "on) is not supported — step once per batch, and evaluate under torch.no_grad()")
+        if not self.losses:
+            raise GuardMisuse("optimizer.step() without a call of the guarded criterion: the guard cannot see the "
+                              "loss you backpropagated — compute the loss with the criterion make_guarded returned")
+        if len(self.losses) > 1:
+            raise GuardMisuse(f"{len(self.losses)} criterion calls before one optimizer.step(): the guard cannot tell "
+                              "which loss was backpropagated — call the guarded criterion once per step")
+        (args, kwargs), output = self.inputs[0], self.outputs[0] if self.outputs else None
+        if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            raise GuardMisuse("the guarded model must be called with one input tensor, model(x)")
+        if self.loss_inputs[0] is not output:
+            raise GuardMisuse("the guarded criterion was not called on the guarded model's output: the guard cannot "
+                              "see the loss you backpropagated — use loss = criterion(model(x), y)")
+        target = self.targets[0]
+        if not isinstance(target, torch.Tensor):
+            raise GuardMisuse("the criterion's target must be a tensor")
+        if self.losses[0].ndim != 0:
+            raise GuardMisuse("the guarded criterion must return a scalar (reduction='mean' or 'sum'): with "
+                              "reduction='none' the guard cannot see the loss you backpropagate")
+        return args[0].detach(), target.detach()
+
+
+class GuardedCriterion(nn.Module):
+    """The user's criterion, unchanged in value, recording the targets and loss of each call.
+
+    Attribute reads fall through to the wrapped criterion (``reduction``, ``weight``, …)."""
+
+    def __init__(self, criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], recorder: _Recorder) -> None:
+        super().__init__()
+        self.criterion = criterion
+        self._recorder = recorder
+
+    def forward(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.criterion(prediction, target)
+        self._recorder.criterion_called(prediction, target, loss)
+        return loss
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("criterion", self.__dict__.get("criterion"))
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+
+class GuardedOptimizer(torch.optim.Optimizer):
+    """The user's optimizer whose ``step()`` applies only the guarded gradient of the recorded batch.
+
+    Shares ``param_groups``, ``state`` and ``defaults`` with the wrapped optimizer (schedulers and
+    ``state_dict`` work as before); ``guard_reports`` keeps one ``GuardReport`` per step.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, criterion: Callable,
+                 recorder: _Recorder, guard: Guard | None) -> None:
+        # Optimizer.__init__ is not called on purpose: the wrapped optimizer owns the parameters
+        # and its step (hooked by torch) is the one that runs.
+        self.original_optimizer = optimizer
+        self.guard_reports: list[GuardReport] = []
+        self._model, self._criterion, self._recorder, self._guard = model, criterion, recorder, guard
+
+    # -- the optimizer interface, delegated ---------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, value: dict) -> None:
+        self.original_optimizer.state = value
+
+    @property
+    def defaults(self) -> dict:  # type: ignore[override]
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict) -> None:
+        self.original_optimizer.defaults = value
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        self.original_optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"GuardedOptimizer({self.original_optimizer!r})"
+
+    # -- the guarded step ------------------------------------------------------------------------
+    def step(self, closure: Callable | None = None) -> None:  # type: ignore[override]
+        """Guard the recorded batch's gradient, put it in ``.grad`` and step the wrapped optimizer."""
+        if closure is not None:
+            raise GuardMisuse("optimizer.step(closure) is not supported by the guard (it would re-evaluate the "
+                              "loss on its own); use loss.backward(); optimizer.step()")
+        params = [p for p in self._model.parameters() if p.requires_grad]
+        try:
+            guarded = self._guarded_gradient(params)
+        except GuardFailure:
+            for p in params:  # never leave the unguarded gradient where a later step could apply it
+                p.grad = None
+            raise
+        finally:
+            self._recorder.clear()
+        for p, g in zip(params, guarded.split([p.numel() for p in params])):
+            p.grad = g.view_as(p).to(p.dtype).clone()
+        self.original_optimizer.step()
+
+    def _guarded_gradient(self, params: list[nn.Parameter]) -> torch.Tensor:
+        guard = self._active_guard()
+        x, y = self._recorder.batch()
+        _refuse_train_mode_dropout(self._model)
+        reference = self._recompute(params, x, y)
+        sent = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        gap, scale = float((sent - reference).norm()), float(reference.norm())
+        if not gap <= GRADIENT_MATCH_RTOL * scale + 1e-12 * max(reference.numel(), 1) ** 0.5:
+            raise GuardMisuse(f".grad differs from the gradient of criterion(model(x), y) on the recorded batch "
+                              f"(‖difference‖ = {gap:.3g}, ‖gradient‖ = {scale:.3g}): a loss with terms the guard "
+                              "cannot see, or gradients accumulated over several batches (a missing "
+                              "optimizer.zero_grad()); the guard must measure the exact loss that is sent")
+        self._recorder.paused = True
+        try:
+            out = guard.protect(self._model, x, y, reference, loss_fn=self._criterion)
+        finally:
+            self._recorder.paused = False
+        self.guard_reports.append(out.report)
+        session = active_session()
+        if session is not None:
+            session.file(out.report)
+        if out.gradient is None:
+            failure = GuardFailure(out.report.reason)
+            failure.report = out.report  # type: ignore[attr-defined]
+            raise failure
+        return out.gradient.reshape(-1)
+
+    def _active_guard(self) -> Guard:
+        if self._guard is not None:
+            return self._guard
+        session = active_session()
+        if session is None:
+            raise GuardMisuse("make_guarded(..., config=None) takes its configuration from flguard.flower.guard_mod, "
+                              "but no guarded Flower train message is being handled; pass a GuardConfig")
+        return session.guard
+
+    def _recompute(self, params: list[nn.Parameter], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """∇θ criterion(model(x), y), leaving buffers (BatchNorm running statistics) as they were."""
+        buffers = {name: b.detach().clone() for name, b in self._model.named_buffers()}
+        self._recorder.paused = True
+        try:
+            with torch.enable_grad():
+                loss = self._criterion(self._model(x), y)
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+        finally:
+            self._recorder.paused = False
+            with torch.no_grad():
+                for name, b in self._model.named_buffers():
+                    b.copy_(buffers[name])
+        return torch.cat([(g if g is not None else torch.zeros_like(p)).detach().reshape(-1)
+                          for g, p in zip(grads, params)])
+
+
+def _refuse_train_mode_dropout(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
+            raise GuardMisuse(f"module {name!r} is a train-mode Dropout with p={module.p}: its random mask makes "
+                              "the per-sample Jacobian undefined and the gradient unreproducible; remove it or "
+                              "set it to eval mode for guarded training")
+
+
+def make_guarded(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 config: GuardConfig | None = None) -> tuple[nn.Module, GuardedOptimizer, GuardedCriterion]:
+    """Guard an ordinary ``loss.backward(); optimizer.step()`` loop (see module doc).
+
+    Returns ``(model, optimizer, criterion)``: the same model object (with recording hooks; its
+    ``state_dict`` and behaviour are unchanged), a ``GuardedOptimizer`` and a ``GuardedCriterion``.
+    ``config`` builds this optimizer's own ``Guard`` (one noise stream for its lifetime); ``None``
+    uses the guard of the enclosing ``flguard.flower.guard_mod`` at each step.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError("make_guarded: model must be a torch.nn.Module")
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, GuardedOptimizer):
+        raise TypeError("make_guarded: optimizer must be a plain torch.optim.Optimizer (not already guarded)")
+    if not callable(criterion):
+        raise TypeError("make_guarded: criterion must be callable as criterion(prediction, target)")
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in trainable:
+                raise ValueError("make_guarded: the optimizer holds a parameter that is not a trainable parameter "
+                                 "of the model; the guard can only cover the model's own gradients")
+    recorder = getattr(model, "_flguard_recorder", None)
+    if recorder is None:  # a model guarded again (a new optimizer per round) keeps its one pair of hooks
+        recorder = _Recorder(model)
+        model.register_forward_pre_hook(recorder.before_forward, with_kwargs=True)
+        model.register_forward_hook(recorder.after_forward, with_kwargs=True)
+        model._flguard_recorder = recorder  # type: ignore[attr-defined]
+    recorder.clear()
+    guarded_criterion = GuardedCriterion(criterion, recorder)
+    guard = Guard(config) if config is not None else None
+    return model, GuardedOptimizer(optimizer, model, criterion, recorder, guard), guarded_criterion
+
+
+__all__ = ["make_guarded", "GuardedOptimizer", "GuardedCriterion", "GuardMisuse", "GRADIENT_MATCH_RTOL"]

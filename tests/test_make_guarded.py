@@ -1,0 +1,184 @@
+"""make_guarded: an ordinary ``loss.backward(); optimizer.step()`` loop applies only guarded gradients.
+
+The floor is checked against an independent dense float64 I²F (autograd Jacobians, torch.linalg.solve)
+on the noise actually applied, recovered from the parameter change of a plain SGD step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from flguard import GuardConfig, GuardFailure, make_guarded
+from flguard.training import GuardMisuse
+from risk_reference import dense_jacobians, dense_metrics
+
+
+def tiny_cnn(dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(1, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(3 * 2 * 2, 8), nn.Tanh()]
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    return nn.Sequential(*layers, nn.Linear(8, 4)).double()
+
+
+def batch(size: int = 4, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(size, 1, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (size,), generator=g)
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+CONFIG = GuardConfig(defense="gaussian", min_rmse=0.2, max_rel_noise=1e4, seed=0, rtol=1e-3)
+
+
+@pytest.mark.parametrize("defense", ["gaussian", "eigen"])
+def test_sgd_step_applies_noise_that_meets_the_floor_against_dense_i2f(defense):
+    model = tiny_cnn()
+    x, y = batch()
+    theta0 = flat_params(model)
+    reference_model = copy.deepcopy(model)
+    lr = 0.5
+    config = CONFIG.model_copy(update={"defense": defense, "subspace_size": 4, "krylov_steps": 8})
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=lr),
+                                               nn.CrossEntropyLoss(), config)
+    optimizer.zero_grad()
+    loss = criterion(model(x), y)
+    loss.backward()
+    optimizer.step()
+
+    jac, g = dense_jacobians(reference_model, x, y)
+    applied = (theta0 - flat_params(model)) / lr          # what the step applied: g + noise
+    noise = applied - g
+    report = optimizer.guard_reports[-1]
+    assert report.met and len(optimizer.guard_reports) == 1
+    assert float(noise.norm()) == pytest.approx(report.noise_norm, rel=1e-6)  # exactly what the guard added ...
+    dense = dense_metrics(jac, g, noise, eps=report.eps.double())
+    assert torch.all(dense["rmse_i2f"] >= CONFIG.min_rmse)  # ... and it meets the floor on every sample
+    torch.testing.assert_close(dense["rmse_i2f"], report.rmse_after.double(), rtol=2e-2, atol=0)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda p: torch.optim.SGD(p, lr=0.1),
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    lambda p: torch.optim.Adam(p, lr=1e-2),
+    lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+], ids=["sgd", "sgd-momentum", "adam", "adamw"])
+def test_every_optimizer_steps_on_the_guarded_gradient_only(make_optimizer):
+    model = tiny_cnn()
+    twin = copy.deepcopy(model)
+    twin_optimizer = make_optimizer(twin.parameters())
+    model, optimizer, criterion = make_guarded(model, make_optimizer(model.parameters()), nn.CrossEntropyLoss(),
+                                               CONFIG)
+    for step in range(3):
+        x, y = batch(seed=step)
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        unguarded = [p.grad.clone() for p in model.parameters()]
+        optimizer.step()
+        guarded = [p.grad for p in model.parameters()]  # left in .grad: what the optimizer used
+        assert sum(float((a - b).norm()) for a, b in zip(guarded, unguarded)) > 0
+        for p_twin, g in zip(twin.parameters(), guarded):  # the plain optimizer fed the same gradients
+            p_twin.grad = g.clone()
+        twin_optimizer.step()
+        torch.testing.assert_close(flat_params(model), flat_params(twin), rtol=0, atol=0)
+    assert len(optimizer.guard_reports) == 3 and all(r.met for r in optimizer.guard_reports)
+
+
+def test_behaves_like_the_originals():
+    model = tiny_cnn()
+    keys = list(model.state_dict())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    guarded_model, optimizer, criterion = make_guarded(model, sgd, nn.CrossEntropyLoss(reduction="sum"), CONFIG)
+    assert guarded_model is model and list(model.state_dict()) == keys
+    assert isinstance(optimizer, torch.optim.Optimizer) and optimizer.param_groups is sgd.param_groups
+    assert criterion.reduction == "sum"
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    x, y = batch()
+    with torch.no_grad():  # evaluation passes are not recorded
+        model(x)
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()
+    scheduler.step()
+    assert sgd.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert "momentum_buffer" in optimizer.state_dict()["state"][0]
+
+
+def _step(model, optimizer, criterion, x, y):
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()
+
+
+def test_misuse_is_refused_and_nothing_is_applied():
+    x, y = batch()
+    x2, y2 = batch(seed=7)
+
+    def guarded(**kw):
+        model = tiny_cnn(**kw)
+        m, opt, crit = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), CONFIG)
+        return m, opt, crit, flat_params(model)
+
+    cases = {}
+    m, opt, crit, before = guarded()  # two forward passes (accumulation over two batches)
+    opt.zero_grad()
+    crit(m(x), y).backward()
+    crit(m(x2), y2).backward()
+    cases["forward passes"] = (opt, m, before)
+    m, opt, crit, before = guarded()  # missing zero_grad: last step's gradient is still in .grad
+    _step(m, opt, crit, x, y)
+    before = flat_params(m)
+    crit(m(x2), y2).backward()
+    cases["accumulated"] = (opt, m, before)
+    m, opt, crit, before = guarded()  # a loss term the wrapper cannot see
+    opt.zero_grad()
+    (crit(m(x), y) + 0.1 * sum(p.square().sum() for p in m.parameters())).backward()
+    cases["cannot see"] = (opt, m, before)
+    m, opt, crit, before = guarded()  # the loss computed without the guarded criterion
+    opt.zero_grad()
+    nn.functional.cross_entropy(m(x), y).backward()
+    cases["without a call of the guarded criterion"] = (opt, m, before)
+    m, opt, crit, before = guarded(dropout=0.5)  # train-mode Dropout
+    opt.zero_grad()
+    crit(m(x), y).backward()
+    cases["Dropout"] = (opt, m, before)
+    for message, (opt, m, before) in cases.items():
+        with pytest.raises(GuardMisuse, match=message):
+            opt.step()
+        assert torch.equal(flat_params(m), before), message
+        assert all(p.grad is None for p in m.parameters()), message  # the unguarded gradient is gone
+    with pytest.raises(GuardMisuse, match="closure"):
+        guarded()[1].step(lambda: 0.0)
+
+
+def test_a_withheld_step_raises_guard_failure_and_leaves_the_model_unchanged():
+    model = tiny_cnn()
+    config = CONFIG.model_copy(update={"min_rmse": 50.0, "max_rel_noise": 1.0})  # out of the budget's reach
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                               nn.CrossEntropyLoss(), config)
+    before = flat_params(model)
+    x, y = batch()
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    with pytest.raises(GuardFailure, match="max_rel_noise"):
+        optimizer.step()
+    assert torch.equal(flat_params(model), before)
+    assert all(p.grad is None for p in model.parameters())
+    assert len(optimizer.guard_reports) == 1 and not optimizer.guard_reports[0].met
+
+
+def test_without_a_config_it_needs_the_flower_mod():
+    model = tiny_cnn()
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                               nn.CrossEntropyLoss())
+    x, y = batch()
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    with pytest.raises(GuardMisuse, match="guard_mod"):
+        optimizer.step()

@@ -1,0 +1,1 @@
+"""A Flower app in the shape of Flower's quickstart-pytorch (our own code), guarded by flguard."""

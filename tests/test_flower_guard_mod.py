@@ -225,3 +225,61 @@ def test_zero_d_integer_and_all_zero_updates_are_handled():
     # An all-zero gradient cannot meet a noise budget relative to its norm: a clean error, no crash.
     zero = _scalar_app(zero_gradient=True)(_message(MessageType.TRAIN, task.make_model(SETTINGS)), _context())
     assert zero.has_error() and "budget" in zero.error.reason
+
+
+def _loop_app(mode: str) -> ClientApp:
+    """A train handler with an ordinary optimizer loop over 3 batches, guarded in different ways."""
+    from flguard import make_guarded
+
+    app = ClientApp(mods=[guard_mod(GuardConfig(defense="gaussian", min_rmse=0.05, seed=0))])
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        model = task.load_arrays(task.make_model(SETTINGS), message.content.array_records[task.ARRAYS_KEY])
+        data, _ = task.load_partition(SETTINGS, 0, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        criterion = torch.nn.CrossEntropyLoss()
+        if mode in ("make_guarded", "one-unguarded-step", "two-passes"):
+            model, optimizer, criterion = make_guarded(model, optimizer, criterion)
+        for step in range(3):
+            x, y = data.normalize(data.images[2 * step:2 * step + 2]), data.labels[2 * step:2 * step + 2]
+            if mode == "one-unguarded-step" and step == 2:  # a second, unwrapped optimizer sneaks a step in
+                plain = torch.optim.SGD(model.parameters(), lr=0.05)
+                plain.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                plain.step()
+                continue
+            optimizer.zero_grad()
+            if mode == "two-passes":
+                model(x)
+            loss = criterion(model(x), y)
+            loss.backward()
+            if mode == "guard_step-once" and step == 0:
+                params = list(model.parameters())
+                for p, g in zip(params, guard_step(model, x, y, [p.grad for p in params])):
+                    p.grad = g
+            optimizer.step()
+        return task.train_reply(message, model, task.LocalUpdate(torch.zeros(1), torch.zeros(1), 0.0, 3, 2))
+
+    return app
+
+
+def test_make_guarded_under_the_mod_guards_every_step_and_reports():
+    model = task.make_model(SETTINGS)
+    reply = _loop_app("make_guarded")(_message(MessageType.TRAIN, model), _context())
+    assert not reply.has_error(), reply.error
+    metrics = reply.content.metric_records[task.METRICS_KEY]
+    assert metrics["guard_met"] == 1.0 and metrics["guard_min_rmse_after"] >= 0.05 and metrics["guard_matvecs"] > 0
+
+
+@pytest.mark.parametrize("mode,reason", [
+    ("one-unguarded-step", "1 of 3 optimizer steps this round were not guarded"),
+    ("guard_step-once", "2 of 3 optimizer steps this round were not guarded"),
+    ("plain", "never guarded a step"),
+    ("two-passes", "2 forward passes"),
+])
+def test_a_round_with_any_unguarded_step_is_an_error_reply(mode, reason):
+    model = task.make_model(SETTINGS)
+    reply = _loop_app(mode)(_message(MessageType.TRAIN, model), _context())
+    assert reply.has_error() and not reply.has_content()
+    assert reason in reply.error.reason and reply.error.reason.startswith("flguard: update withheld")

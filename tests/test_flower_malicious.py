@@ -141,3 +141,58 @@ def test_k_step_upload_is_attacked_by_unrolling_and_scored(tmp_path: Path) -> No
     assert row["scored"] and math.isfinite(row["psnr"]) and 0.0 <= row["label_accuracy"] <= 1.0
     assert (tmp_path / row["image"]).is_file()
     assert len((tmp_path / "attacks.jsonl").read_text().splitlines()) == 1
+
+
+def test_real_two_step_upload_is_recovered_by_the_bounded_unrolled_attack(tmp_path: Path) -> None:
+    """An honest client's real K = 2 step upload (``task.local_sgd``'s batching: consecutive chunks of
+    a random permutation), attacked as a ``fedavg-upload`` with the bounded spec: both samples come
+    back (measured: 27 and 50 dB), and every sample's RMSE is listed for the per-sample promise."""
+    from flguard.flower import MaliciousServer
+    from flguard.flower.malicious import UPLOAD, UploadAttack
+    from flguard.flower.truth import TrueBatch
+    from flwr.serverapp.strategy import FedAvg
+
+    settings = task.TaskSettings(batch_size=1, lr=0.1, local_steps=2, init="uniform")
+    train, _ = task.load_partition(settings, 0, 2)
+    model = task.make_model(settings)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    update = task.local_sgd(model, train, lr=0.1, steps=2, batch_size=1, generator=torch.Generator().manual_seed(1))
+    data = task.load_dataset(settings.dataset)
+    bounded = UploadAttack(iterations=100).spec(AttackSpec("dlg", iterations=None, labels="true", unroll=False))
+    assert bounded.iterations == 100 and bounded.unroll
+    server = MaliciousServer(FedAvg(), model_fn=lambda: task.make_model(settings), input_shape=data.shape,
+                             attacks=[bounded], out_dir=tmp_path, normalization=(data.mean, data.std),
+                             blocking=True, save_images=False)
+    truth = TrueBatch(update.inputs, update.labels, run_id=1, server_round=2, node_id=4, partition_id=0)
+    (row,) = server.attack_upload(2, 4, before, model.state_dict(), dict(settings.train_config()), truth,
+                                  target=UPLOAD)
+    assert row["status"] == "ok", row["error"]
+    assert row["attack_target"] == "fedavg-upload" and row["local_steps"] == 2 and row["batch_size"] == 2
+    samples = [float(v) for v in row["rmse_input_samples"].split()]
+    assert len(samples) == 2 and max(samples) < 0.2  # ≥ ~25 dB on each digit (pixel std 0.3086)
+    assert row["psnr"] >= 30.0 and row["rmse_input"] == pytest.approx(sum(samples) / 2, rel=1e-4)
+
+
+def test_upload_attack_settings_and_honest_targets() -> None:
+    """Which honest uploads are attacked, and the run-config keys that switch it on."""
+    from flguard.flower import MaliciousServer
+    from flguard.flower.malicious import UploadAttack, first_clients, upload_attack_from_config
+    from flwr.serverapp.strategy import FedAvg
+
+    assert upload_attack_from_config({}) is None  # no probes: the ordinary targets are real uploads
+    assert upload_attack_from_config({"victim-batch-size": 1}) == UploadAttack(clients=1, iterations=50)
+    assert upload_attack_from_config({"victim-batch-size": 1, "attack-uploads": 0}) is None
+    assert upload_attack_from_config({"attack-uploads": 2, "attack-upload-iterations": ""}) == UploadAttack(2, 50)
+    with pytest.raises(ValueError):
+        UploadAttack(iterations=0)
+    spec = UploadAttack(iterations=30, hyperparameters={"tv": 0.0}).spec(AttackSpec("gs", iterations=500,
+                                                                                  hyperparameters={"tv": 0.1}))
+    assert spec.iterations == 30 and spec.hyperparameters == {"tv": 0.0}
+
+    def server(upload):
+        return MaliciousServer(FedAvg(), model_fn=lambda: None, input_shape=(1, 8, 8), targets=first_clients(1),
+                               upload_attack=upload)
+
+    assert server(None)._honest_targets(1, [3, 5]) == []
+    assert server(UploadAttack(clients=1))._honest_targets(1, [5, 3, 9]) == [3]
+    assert server(UploadAttack(clients=5))._honest_targets(1, [5, 3, 9]) == [3, 5, 9]

@@ -34,7 +34,7 @@ from flwr.serverapp.strategy.result import Result
 from flguard.flower import task
 from flguard.flower.dp import localdp_mod_from_config
 from flguard.flower.guard_mod import guard_mod_from_run_config, prefixed_config
-from flguard.flower.malicious import AttackSpec, MaliciousServer, TargetSelector
+from flguard.flower.malicious import AttackSpec, MaliciousServer, TargetSelector, upload_attack_from_config
 from flguard.flower.truth import TRUTH_DIR_KEY, resolve_path
 
 log = logging.getLogger(__name__)
@@ -253,6 +253,7 @@ def build_strategy(settings: ServerSettings, task_settings: task.TaskSettings, *
                            truth_dir=resolve_path(settings.sim_truth_dir) if settings.sim_truth_dir else None,
                            blocking=settings.attack_blocking, normalization=(dataset.mean, dataset.std),
                            victim_config=_victim_config(settings), device=device,
+                           upload_attack=upload_attack_from_config(config or {}),
                            on_row=(lambda row: on_event("attack", row)) if on_event else None)
 
 

@@ -16,6 +16,12 @@ a Flower 1.41 Message-API ``Strategy``. It delegates every decision to the wrapp
    ``attacks.jsonl`` and ``attacks.csv`` plus a PNG grid under ``images/``;
 4. ``start`` waits for every queued job before it returns (``flush``), so no result is lost.
 
+Two kinds of attack, told apart by each row's ``attack_target``: ``probe`` — the upload a victim
+sent under the server's ``victim_config`` (the easiest to invert) — and ``fedavg-upload`` — an
+honest client's real multi-step upload, attacked by unrolling its K known local SGD steps
+(``upload_attack``: ``UploadAttack(clients, iterations)`` bounds how many per round and how long).
+Without a ``victim_config`` every attacked upload is a real one (``fedavg-upload``).
+
 The replies passed on to the wrapped strategy are the clients' own, untouched: the wrapper never
 adds records, and the true batches travel through files, never through messages.
 """
@@ -29,7 +35,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,89 +45,21 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 from torch import nn
 
-from flguard.flower.task import BATCH_SIZE_KEY, LOCAL_STEPS_KEY, LR_KEY
 from flguard.flower.scoring import finite_or_none, pixel_map, save_grid, score_batch
 from flguard.flower.truth import TrueBatch, TruthChannelRefused, TruthReader
+from flguard.flower.uploads import (PROBE, UPLOAD, UPLOAD_KEYS, AttackSpec, ClientUpdate, TargetSelector,  # noqa: F401
+                                    UpdateDecoder, UploadAttack, delta_to_gradient, upload_attack_from_config)
 
 log = logging.getLogger(__name__)
 
 # Columns of attacks.csv (attacks.jsonl rows carry the same keys).
-ROW_FIELDS = ("round", "node_id", "partition_id", "attack", "method", "batch_size", "local_steps", "lr",
-              "iterations", "restarts", "labels_from", "scored", "psnr", "ssim", "mse", "rmse", "rmse_input",
-              "lpips", "label_accuracy", "loss", "seconds", "status", "error", "image", "tensors", "true_labels")
-
-
-@dataclass(frozen=True)
-class AttackSpec:
-    """One attack the server runs on every chosen upload.
-
-    ``labels``: ``"recover"`` (the attack recovers them, e.g. iDLG) or ``"true"`` (the client's
-    true labels from the simulation channel: the "labels known" threat model).
-    ``hyperparameters`` go to ``reconstruct`` unchanged (e.g. ``{"tv": 0.01}``).
-    ``unroll``: attack a K-step update by unrolling the K steps when the method can (it accepts
-    ``local_steps``); otherwise, or with ``unroll=False``, attack the averaged gradient.
-    """
-
-    method: str = "gs"
-    iterations: int | None = None
-    restarts: int = 1
-    labels: str = "recover"
-    seed: int | None = 0
-    name: str | None = None
-    unroll: bool = True
-    hyperparameters: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.labels not in ("recover", "true"):
-            raise ValueError(f"AttackSpec.labels={self.labels!r} must be 'recover' or 'true'")
-        if self.restarts < 1 or (self.iterations is not None and self.iterations < 1):
-            raise ValueError("AttackSpec.restarts and .iterations must be positive")
-
-    @property
-    def label(self) -> str:
-        return self.name or self.method
-
-
-@dataclass
-class ClientUpdate:
-    """A client's upload, decoded into what the attacks need."""
-
-    gradient: list[torch.Tensor]  # (θ0 − θK)/(K·lr), model.parameters() order
-    update: list[torch.Tensor]  # θK − θ0, what a K-step attack unrolls
-    batch_size: int  # images behind the update: K·B for K local steps of B
-    local_steps: int
-    lr: float
-
-
-# (model holding θ0, θ0 state, θK state, train config sent) -> the decoded update.
-UpdateDecoder = Callable[[nn.Module, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor], Mapping[str, Any]],
-                         ClientUpdate]
-# (server round, node ids that replied) -> node ids to attack.
-TargetSelector = Callable[[int, Sequence[int]], Iterable[int]]
-
-
-def delta_to_gradient(model: nn.Module, before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor],
-                      config: Mapping[str, Any]) -> ClientUpdate:
-    """Decode an uploaded model θK: the update ``θK − θ0`` and the gradient ``(θ0 − θK) / (K · lr)``.
-
-    For FedSGD (K = 1 plain SGD step) the gradient *is* the batch gradient, up to float32 rounding
-    of θ. For K > 1 it is the mean of the K step gradients, i.e. approximately the gradient of the
-    mean loss over all K·B samples (exact to first order in lr); attacks that unroll the K steps
-    (``local_steps`` hyperparameter, e.g. GS) get the raw update instead (see ``_attack_inputs``).
-    """
-    lr = float(config.get(LR_KEY, 0.0))
-    steps = int(config.get(LOCAL_STEPS_KEY, 1))
-    if not lr > 0 or steps < 1:
-        raise ValueError(f"train config needs a positive '{LR_KEY}' and '{LOCAL_STEPS_KEY}' to decode an update; "
-                         f"got {dict(config)}")
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
-    missing = [name for name in names if name not in before or name not in after]
-    if missing:
-        raise ValueError(f"upload lacks parameters {missing[:3]}...; is the ArrayRecord a model state_dict?")
-    update = [after[n].double() - before[n].double() for n in names]
-    gradient = [u.mul(-1.0 / (lr * steps)).float() for u in update]
-    batch = int(config.get(BATCH_SIZE_KEY, 1)) * steps
-    return ClientUpdate(gradient, [u.float() for u in update], batch, steps, lr)
+# ``attack_target``: "probe" (an upload the server asked its victim for, e.g. one-sample FedSGD) or
+# "fedavg-upload" (an honest client's real upload under the task's own train config).
+# ``rmse_input_samples``: every sample's RMSE in input units (space-separated), for the promise.
+ROW_FIELDS = ("round", "node_id", "partition_id", "attack", "method", "attack_target", "batch_size", "local_steps",
+              "lr", "iterations", "restarts", "labels_from", "scored", "psnr", "ssim", "mse", "rmse", "rmse_input",
+              "rmse_input_samples", "lpips", "label_accuracy", "loss", "seconds", "status", "error", "image", "tensors",
+              "true_labels")
 
 
 def every_client(server_round: int, node_ids: Sequence[int]) -> Iterable[int]:
@@ -162,7 +99,8 @@ class MaliciousServer(Strategy):
                  normalization: tuple[Sequence[float], Sequence[float]] | None = None,
                  truth_dir: str | Path | None = None, blocking: bool = False, save_images: bool = True,
                  device: str | torch.device | None = None, victim_config: Mapping[str, Any] | None = None,
-                 on_row: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_row: Callable[[dict[str, Any]], None] | None = None,
+                 upload_attack: UploadAttack | None = None) -> None:
         if not attacks:
             raise ValueError("MaliciousServer needs at least one AttackSpec")
         self.strategy = strategy
@@ -182,6 +120,7 @@ class MaliciousServer(Strategy):
         self.device = device
         self.victim_config = dict(victim_config or {})
         self.on_row = on_row
+        self.upload_attack = upload_attack if upload_attack is not None and upload_attack.clients > 0 else None
         self.results: list[dict[str, Any]] = []
         self._victims: dict[int, set[int]] = {}
         self._sent: dict[int, dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]] = {}
@@ -238,7 +177,9 @@ class MaliciousServer(Strategy):
             victims = self._victims.pop(server_round, None)
             chosen = self.select(server_round, list(usable)) if victims is None else sorted(victims & set(usable))
             for node_id in chosen:
-                self._capture(server_round, usable[node_id], *sent[node_id])
+                self._capture(server_round, usable[node_id], *sent[node_id], target=PROBE if victims else UPLOAD)
+            for node_id in self._honest_targets(server_round, [n for n in usable if n not in set(chosen)]):
+                self._capture(server_round, usable[node_id], *sent[node_id], target=UPLOAD, bounded=True)
         return self.strategy.aggregate_train(server_round, replies)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -272,13 +213,28 @@ class MaliciousServer(Strategy):
             self._executor.shutdown(wait=True)
             self._executor = None
 
+    def _honest_targets(self, server_round: int, honest: Sequence[int]) -> list[int]:
+        """The honest uploads to attack as well (``upload_attack``): the selector's picks for the next
+        round among the clients not attacked this round, then any others, ``clients`` of them."""
+        if self.upload_attack is None or not honest:
+            return []
+        preferred = [n for n in self.select(server_round + 1, list(honest)) if n in set(honest)]
+        ordered = preferred + sorted(n for n in honest if n not in set(preferred))
+        return ordered[:self.upload_attack.clients]
+
     def _capture(self, server_round: int, reply: Message, before: dict[str, torch.Tensor],
-                 config: dict[str, Any]) -> None:
+                 config: dict[str, Any], *, target: str = PROBE, bounded: bool = False) -> None:
         node_id = reply.metadata.src_node_id
         after = _state(next(iter(reply.content.array_records.values())))
         truth = self._reader.read(reply.metadata.run_id, server_round, node_id) if self._reader else None
         for spec in self.attacks:
-            job = (server_round, node_id, spec, before, after, config, truth)
+            if bounded:
+                from flguard.attacks.api import hyperparameters_of
+
+                if "local_steps" not in hyperparameters_of(spec.method):
+                    continue  # R-GAP and the hybrid invert one sample's gradient, not a K-step update
+                spec = self.upload_attack.spec(spec)
+            job = (server_round, node_id, spec, before, after, config, truth, target)
             if self.blocking:
                 self._run(*job)
                 continue
@@ -288,20 +244,22 @@ class MaliciousServer(Strategy):
 
     def attack_upload(self, server_round: int, node_id: int, before: Mapping[str, torch.Tensor],
                       after: Mapping[str, torch.Tensor], config: Mapping[str, Any],
-                      truth: TrueBatch | None = None) -> list[dict[str, Any]]:
+                      truth: TrueBatch | None = None, target: str = PROBE) -> list[dict[str, Any]]:
         """Run every attack on one upload now (θ0 ``before``, θK ``after``); returns the new rows.
 
         What each round does in the background, callable directly to replay a saved upload.
         """
-        return [self._run(server_round, node_id, spec, dict(before), dict(after), dict(config), truth)
+        return [self._run(server_round, node_id, spec, dict(before), dict(after), dict(config), truth, target)
                 for spec in self.attacks]
 
     def _run(self, server_round: int, node_id: int, spec: AttackSpec, before: dict[str, torch.Tensor],
-             after: dict[str, torch.Tensor], config: dict[str, Any], truth: TrueBatch | None) -> dict[str, Any]:
+             after: dict[str, torch.Tensor], config: dict[str, Any], truth: TrueBatch | None,
+             target: str = PROBE) -> dict[str, Any]:
         """One attack job; never raises (a failure becomes a row with status 'error')."""
         row: dict[str, Any] = {"round": server_round, "node_id": node_id,
                                "partition_id": truth.partition_id if truth else None, "attack": spec.label,
-                               "method": spec.method, "iterations": spec.iterations, "restarts": spec.restarts,
+                               "method": spec.method, "attack_target": target, "iterations": spec.iterations,
+                               "restarts": spec.restarts,
                                "scored": False, "status": "ok", "error": None, "image": None}
         started = time.perf_counter()
         try:

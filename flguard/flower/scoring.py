@@ -50,7 +50,9 @@ def score_batch(truth: torch.Tensor, images: torch.Tensor, to_pixels: Callable[[
                 true_labels: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> dict[str, Any]:
     """Batch means of PSNR, SSIM, MSE, RMSE in pixels (clamped to [0, 1]) after Hungarian matching.
 
-    ``rmse_input`` is the RMSE in model-input units (the unit of the guard's ``min_rmse``);
+    ``rmse_input`` is the RMSE in model-input units (the unit of the guard's ``min_rmse``), averaged
+    over the samples; ``rmse_input_samples`` lists each sample's (space-separated, true-batch order),
+    because the promise is per sample: the share of samples reconstructed no closer than τ;
     ``permutation`` puts the reconstructions in the true batch's order.
     """
     from flguard.attacks import metrics
@@ -60,12 +62,14 @@ def score_batch(truth: torch.Tensor, images: torch.Tensor, to_pixels: Callable[[
     scores = metrics.score(to_pixels(images).clamp(0, 1), to_pixels(truth).clamp(0, 1), data_range=1.0)
     permutation = scores["permutation"].cpu()
     aligned = images[permutation]
+    per_sample = (aligned - truth).flatten(1).pow(2).mean(1).sqrt()
     out: dict[str, Any] = {
         "psnr": float(scores["psnr"].double().mean()),  # +inf: an exact reconstruction
         "ssim": finite_or_none(float(scores["ssim"].double().mean())),
         "mse": float(scores["mse"].double().mean()),
         "rmse": float(scores["mse"].double().sqrt().mean()),
-        "rmse_input": float((aligned - truth).flatten(1).pow(2).mean(1).sqrt().mean()),
+        "rmse_input": float(per_sample.mean()),
+        "rmse_input_samples": " ".join(f"{float(v):.6g}" for v in per_sample),
         "label_accuracy": None,
         "permutation": permutation,
     }

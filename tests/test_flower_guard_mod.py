@@ -283,3 +283,46 @@ def test_a_round_with_any_unguarded_step_is_an_error_reply(mode, reason):
     reply = _loop_app(mode)(_message(MessageType.TRAIN, model), _context())
     assert reply.has_error() and not reply.has_content()
     assert reason in reply.error.reason and reply.error.reason.startswith("flguard: update withheld")
+
+
+def _client_context(node_guard: dict, run_guard: dict) -> Context:
+    return Context(run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2, **node_guard},
+                   state=RecordDict(), run_config=run_guard)
+
+
+@pytest.mark.parametrize("run_guard,outcome", [
+    ({}, 0.05),                                                       # unset: the client's own guard runs
+    ({"guard-defense": ""}, 0.05),                                    # "" = unset, not "off"
+    ({"guard-defense": "eigen", "guard-min-rmse": 0.1}, 0.1),         # stricter: allowed
+    ({"guard-defense": "none"}, "defense='none' promises no floor"),
+    ({"guard-defense": "pruning"}, "defense='pruning' promises no floor"),
+    ({"guard-defense": "gaussian", "guard-min-rmse": 0.01}, "min_rmse=0.01 is weaker than the client's min_rmse=0.05"),
+    ({"guard-defense": "gaussian", "guard-min-rmse": 0.05, "guard-on-unmet": "max-noise"}, "on_unmet='max-noise'"),
+])
+@pytest.mark.parametrize("where", ["node-config", "code"])
+def test_the_run_config_cannot_switch_off_or_lower_the_clients_guard(run_guard, outcome, where):
+    from flguard.flower import guard_mod_from_run_config
+
+    client = {"guard-defense": "gaussian", "guard-min-rmse": 0.05}
+    mod = (guard_mod_from_run_config() if where == "node-config"
+           else guard_mod_from_run_config(minimum=GuardConfig(defense="gaussian", min_rmse=0.05)))
+    context = _client_context(client if where == "node-config" else {}, run_guard)
+    model = task.make_model(SETTINGS)
+    reply = _app([mod])(_message(MessageType.TRAIN, model), context)
+    if isinstance(outcome, str):
+        assert reply.has_error() and outcome in reply.error.reason and "lower the client's guard" in reply.error.reason
+    else:
+        assert not reply.has_error(), reply.error
+        metrics = reply.content.metric_records[task.METRICS_KEY]
+        assert metrics["guard_met"] == 1.0 and metrics["guard_min_rmse_after"] >= outcome
+
+
+def test_without_a_client_floor_the_run_config_still_chooses():
+    from flguard.flower import guard_mod_from_run_config
+
+    model = task.make_model(SETTINGS)
+    unguarded = _app([guard_mod_from_run_config()])(_message(MessageType.TRAIN, model), _client_context({}, {}))
+    assert not unguarded.has_error() and "guard_met" not in unguarded.content.metric_records[task.METRICS_KEY]
+    guarded = _app([guard_mod_from_run_config()])(_message(MessageType.TRAIN, model), _client_context(
+        {}, {"guard-defense": "gaussian", "guard-min-rmse": 0.05}))
+    assert guarded.content.metric_records[task.METRICS_KEY]["guard_met"] == 1.0

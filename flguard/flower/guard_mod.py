@@ -41,7 +41,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import Stage as SecAggS
 from torch import nn
 
 from flguard.guard import Guard, GuardFailure
-from flguard.guard_config import GuardConfig
+from flguard.guard_config import THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard_report import METRIC_KEYS, GuardReport
 from flguard.guard_session import GuardSession, active_session, open_session
 
@@ -187,31 +187,89 @@ def prefixed_config(run_config: Mapping[str, Any], prefix: str) -> dict[str, Any
             if key.startswith(prefix) and value != ""}
 
 
-def guard_mod_from_run_config(prefix: str = "guard-") -> Mod:
-    """Like ``guard_mod``, configured by run-config keys ``guard-<field>`` (e.g. ``guard-defense``,
-    ``guard-min-rmse``) — for apps configured in pyproject's ``[tool.flwr.app.config]``. Without a
-    ``guard-defense`` key (or with ``""``) the mod is inert; a key set to ``""`` counts as unset; a
-    bad value is an error reply naming the field.
+def weaker_fields(candidate: GuardConfig, minimum: GuardConfig) -> list[str]:
+    """The ways ``candidate`` promises less than ``minimum`` ([] when it is at least as strict).
 
-    The run config belongs to whoever submits the run (often the server's side) and can be
-    overridden per run: use ``guard_mod(GuardConfig(...))`` when the server is not trusted."""
+    A floor is lower when the defense promises none (``none`` and the baselines), when τ is smaller
+    (``min_rmse``; ``max_psnr`` higher), when the box-aware floor is dropped (``input_bounds``), when ε
+    is smaller (a smaller ε lets less noise meet the same τ) or when a missed floor may be sent
+    (``on_unmet``)."""
+    problems = []
+    if minimum.defense in THRESHOLD_DEFENSES and candidate.defense not in THRESHOLD_DEFENSES:
+        problems.append(f"defense={candidate.defense!r} promises no floor (client minimum: {minimum.defense!r})")
+    elif minimum.defense in THRESHOLD_DEFENSES:
+        (unit, value, scale), (least_unit, least, least_scale) = _floor(candidate), _floor(minimum)
+        if (unit, scale) != (least_unit, least_scale):
+            problems.append(f"the floor is given as {unit} {scale or ''}; the client's is {least_unit}={least} "
+                            f"{least_scale or ''}: give it in the client's unit")
+        elif value is None or (value < least if unit == "min_rmse" else value > least):
+            problems.append(f"{unit}={value} is weaker than the client's {unit}={least}")
+    if minimum.input_bounds is not None and candidate.input_bounds is None:
+        problems.append(f"input_bounds=None drops the client's box-aware floor (input_bounds={minimum.input_bounds!r})")
+    if candidate.eps_mode != minimum.eps_mode:
+        problems.append(f"eps_mode={candidate.eps_mode!r} differs from the client's {minimum.eps_mode!r}")
+    elif candidate.eps < minimum.eps:
+        problems.append(f"eps={candidate.eps} is below the client's eps={minimum.eps}")
+    if candidate.on_unmet != minimum.on_unmet and minimum.on_unmet == "drop":
+        problems.append(f"on_unmet={candidate.on_unmet!r} would send updates the client withholds ('drop')")
+    return problems
+
+
+def _floor(config: GuardConfig) -> tuple[str, float | None, tuple | None]:
+    """(unit, value, normalisation) of a config's floor: PSNR in pixel space when ``max_psnr`` is
+    set (meaningful only with its pixel normalisation), else ``min_rmse`` in input units."""
+    psnr = getattr(config, "max_psnr", None)
+    if psnr is not None:
+        return "max_psnr", psnr, (getattr(config, "pixel_mean", None), getattr(config, "pixel_std", None))
+    return "min_rmse", config.min_rmse, None
+
+
+def client_minimum(context: Context, minimum: GuardConfig | None, prefix: str) -> GuardConfig | None:
+    """The client's own floor: ``minimum`` from code, else ``<prefix><field>`` keys of the node config
+    (``flower-supernode --node-config "guard-defense='gaussian' guard-min-rmse=0.1"``), else None."""
+    if minimum is not None:
+        return minimum
+    values = prefixed_config(context.node_config, prefix)
+    return GuardConfig(**values) if values.get("defense") else None
+
+
+def guard_mod_from_run_config(prefix: str = "guard-", minimum: GuardConfig | None = None,
+                              node_prefix: str = "guard-") -> Mod:
+    """Like ``guard_mod``, configured by run-config keys ``guard-<field>`` (e.g. ``guard-defense``,
+    ``guard-min-rmse``) — for apps configured in pyproject's ``[tool.flwr.app.config]``. A key set to
+    ``""`` counts as unset; a bad value is an error reply naming the field.
+
+    The run config belongs to whoever submits the run — in the threat model, the server. So the
+    client keeps a floor of its own: ``minimum`` (code) or the node config's ``guard-<field>`` keys
+    (``client_minimum``). With one, the guard always runs: the run config may leave the guard unset
+    (the client's configuration applies) or make it stricter, and a run config that would disable
+    it or lower its floor (``weaker_fields``) turns every train reply into an error that says so.
+    Without a client floor, the mod is inert unless the run config sets ``guard-defense``."""
     guards: dict[tuple, Guard] = {}
 
     def mod(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
-        values = prefixed_config(context.run_config, prefix)
-        if not _is_train(message) or not values.get("defense"):
+        if not _is_train(message):
             return call_next(message, context)
-        key = tuple(sorted(values.items()))
+        values = prefixed_config(context.run_config, prefix)
+        try:
+            floor = client_minimum(context, minimum, node_prefix)
+            config = GuardConfig(**values) if values.get("defense") else floor
+        except ValueError as error:
+            return error_reply(message, f"bad guard configuration: {error}")
+        if config is None:
+            return call_next(message, context)
+        if floor is not None:
+            weaker = weaker_fields(config, floor)
+            if weaker:
+                return error_reply(message, "the run config would lower the client's guard: " + "; ".join(weaker))
+        key = config.model_dump_json()
         if key not in guards:
-            try:
-                guards[key] = Guard(GuardConfig(**values))
-            except ValueError as error:
-                return error_reply(message, f"bad guard configuration: {error}")
+            guards[key] = Guard(config)
         return _guarded_call(guards[key], message, context, call_next)
 
     return mod
 
 
-__all__ = ["guard_mod", "guard_mod_from_run_config", "guard_step", "GuardDropped", "GuardSession", "session_problem",
+__all__ = ["guard_mod", "guard_mod_from_run_config", "weaker_fields", "client_minimum", "guard_step", "GuardDropped", "GuardSession", "session_problem",
            "active_session", "round_metrics",
            "METRIC_KEYS"]

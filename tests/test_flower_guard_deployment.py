@@ -123,6 +123,42 @@ def test_guarded_run_survives_a_killed_supernode(tmp_path: Path, launch) -> None
         assert metrics["guard_met"] == 1.0 and metrics["guard_min_rmse_after"] >= 0.05 and metrics["guard_noise_norm"] > 0
 
 
+def test_the_server_cannot_switch_the_clients_guard_off(tmp_path: Path, launch) -> None:
+    """SuperNodes whose node config sets the client's own guard; the run config asks for
+    ``guard-defense = "none"``. Every train reply must come back guarded or as an error: here, the
+    refusal that names the run config's attempt."""
+    port = _free_port()
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    (home / "config.toml").write_text(f'[superlink]\ndefault = "local-deployment"\n\n[superlink.local-deployment]\n'
+                                      f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+    env = {**os.environ, "FLWR_HOME": str(home), "FLGUARD_RUNS_DIR": str(tmp_path / "runs"),
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
+           "FLWR_TELEMETRY_ENABLED": "0", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    launch([str(BIN / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
+            "--port", str(port)], tmp_path / "superlink.log", env)
+    _wait_for_port(port, 90)
+    for k in range(2):
+        launch([str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
+                "--port", str(_free_port()), "--node-config",
+                f"partition-id={k} num-partitions=2 guard-defense='gaussian' guard-min-rmse=0.05"],
+               tmp_path / f"supernode-{k}.log", env)
+    _wait_for_log(tmp_path / "superlink.log", "Activated node_id=", count=2, seconds=180)
+    out_dir = tmp_path / "results"
+    run_log = tmp_path / "run.log"
+    run = launch([str(BIN / "flwr"), "run", str(SIMULATIONS), "local-deployment", "--stream", "--run-config",
+                  f'num-server-rounds=1 batch-size=2 round-timeout=400 attack-iterations=2 attack-blocking=true '
+                  f'guard-defense="none" '
+                  f'out-dir="{out_dir}"'], run_log, env)
+    assert run.wait(timeout=600) == 0, run_log.read_text()[-3000:]
+    replies = json.loads((out_dir / "summary.json").read_text())["train_replies"]
+    received = [metrics for per_node in replies.values() for metrics in per_node.values()]
+    assert len(received) == 2, replies
+    for metrics in received:  # guarded, or an error reply; never an unguarded update
+        assert ("error" in metrics and "lower the client's guard" in metrics["error"]
+                and "defense='none'" in metrics["error"]) or metrics.get("guard_met") == 1.0, metrics
+
+
 # The suite's tiny comparison with one round and two defenses: one ``flwr run`` each.
 DEPLOYED_COMPARISON = re.sub(r'\[\[defenses\]\]\nname = "dp"\n[^\[]*', "",
                              TINY_COMPARISON.replace("rounds = 2", "rounds = 1"))

@@ -217,13 +217,16 @@ def fill_markers(text: str, blocks: dict[str, str]) -> str:
 
 #: (module, heading, names): documented in this order.
 API: list[tuple[str, str, list[str]]] = [
-    ("flguard", "The guard", ["GuardConfig", "Guard", "GuardReport", "GuardOutput"]),
+    ("flguard", "The guard", ["make_guarded", "GuardConfig", "Guard", "GuardReport", "GuardOutput", "GuardFailure"]),
+    ("flguard.training", "Guarding an unchanged training loop", ["GuardedOptimizer", "GuardedCriterion",
+                                                                 "GuardMisuse"]),
     ("flguard.risk", "Risk metrics", ["assess", "RiskReport", "architecture_index", "JacobianOperator", "lanczos",
                                      "conjugate_gradient"]),
     ("flguard.attacks", "Attacks", ["reconstruct", "Reconstruction", "hyperparameters_of", "methods",
                                     "recover_labels"]),
     ("flguard.flower", "Flower integration", [
-        "guard_mod", "guard_mod_from_run_config", "guard_step", "round_metrics", "GuardDropped", "GuardedNumPyClient",
+        "guard_mod", "guard_mod_from_run_config", "weaker_fields", "client_minimum", "guard_step", "round_metrics",
+        "GuardDropped", "GuardedNumPyClient",
         "UnguardedUpdate", "MaliciousServer", "AttackSpec", "ClientUpdate", "delta_to_gradient", "every_client",
         "first_clients", "record_batch", "TruthReader", "TruthChannelRefused", "in_simulation_runtime"]),
     ("flguard.flower.apps", "The apps every run uses", ["make_client_app", "make_server_app", "config_mods",
@@ -243,6 +246,7 @@ API: list[tuple[str, str, list[str]]] = [
 #: Methods worth listing for these classes (others are Flower's Strategy interface or private).
 METHODS = {
     "Guard": ["protect"],
+    "GuardedOptimizer": ["step"],
     "MaliciousServer": ["start", "flush", "close", "attack_upload"],
     "CompareConfig": ["defense", "run_config", "fingerprint"],
 }

@@ -14,7 +14,15 @@ task, the truth channel.
 
 from flguard.guard_config import GuardConfig
 from flguard.training import make_guarded
-from flguard.flower.guard_mod import GuardDropped, guard_mod, guard_mod_from_run_config, guard_step, round_metrics
+from flguard.flower.guard_mod import (
+    GuardDropped,
+    client_minimum,
+    guard_mod,
+    guard_mod_from_run_config,
+    guard_step,
+    round_metrics,
+    weaker_fields,
+)
 from flguard.flower.numpy_client import GuardedNumPyClient, UnguardedUpdate
 from flguard.flower.malicious import (
     AttackSpec,
@@ -32,6 +40,8 @@ __all__ = [
     "make_guarded",
     "guard_mod",
     "guard_mod_from_run_config",
+    "weaker_fields",
+    "client_minimum",
     "guard_step",
     "GuardedNumPyClient",
     "UnguardedUpdate",

@@ -2,7 +2,8 @@
 
 ``Guard(config).protect(model, x, y, gradient)`` returns the gradient to upload — or ``None`` —
 and a ``GuardReport``. The promise: when ``report.met`` is true, every sample's predicted recovery
-RMSE (``assess``'s ``rmse_i2f`` with δ = the noise actually added) is at least ``min_rmse``.
+RMSE (``assess``'s ``rmse_i2f`` with δ = the noise actually added) is at least the floor τ
+(``GuardConfig.floor``: ``min_rmse``, or ``max_psnr`` converted to input units).
 Anything that goes wrong (a NaN gradient, a solver that does not converge, an exception, a floor
 that needs more noise than the budget) ends in the ``on_unmet`` policy; with the default ``drop``
 no gradient leaves the client, and never the unguarded one unless ``send`` was acknowledged.
@@ -72,7 +73,7 @@ class Guard:
             rmse_before=torch.zeros(batch), rmse_after=outcome.rmse_after.cpu(), rmse_lb_after=outcome.rmse_lb_after.cpu(),
             eps=outcome.eps.cpu(), noise_norm=float(outcome.noise.norm()),
             rel_noise=float(outcome.noise.norm() / flat.norm().clamp_min(1e-30)), met=outcome.met, defense=cfg.defense,
-            reason=outcome.reason, matvecs=op.applications, seconds=0.0, min_rmse=cfg.min_rmse, details=outcome.info)
+            reason=outcome.reason, matvecs=op.applications, seconds=0.0, min_rmse=cfg.floor, details=outcome.info)
         if outcome.met or cfg.defense not in THRESHOLD_DEFENSES:
             report.seconds = time.perf_counter() - start
             return GuardOutput((flat + outcome.noise).view_as(gradient), report)
@@ -100,7 +101,7 @@ class Guard:
             raise GuardFailure("I2F solve did not converge")
         root = op.dx ** 0.5
         rmse = i2f / root
-        met = bool((rmse >= cfg.min_rmse).all())
+        met = bool((rmse >= cfg.floor).all())
         info = {k: v for k, v in ctx.info.items() if k != "spectrum"}
         return _Outcome(noise, rmse, jd / lambda_max / root, eps, met, "" if met else "baseline misses min_rmse", info)
 
@@ -116,7 +117,7 @@ class Guard:
         cfg, op = self.config, ctx.op
         root = op.dx ** 0.5
         direction = DIRECTIONS[cfg.defense](ctx)
-        if cfg.min_rmse == 0:
+        if cfg.floor == 0:
             zeros = torch.zeros(op.batch_size, dtype=op.dtype, device=op.device)
             return _Outcome(torch.zeros_like(ctx.gradient), zeros, zeros, ctx.eps, True)
         vector = direction.vector
@@ -127,21 +128,21 @@ class Guard:
         if floor > 0:  # an isotropic part of its own that meets floor·τ: no subspace to discard
             z = gaussian_direction(ctx).vector
             shift_z, _ = self._solve(ctx, z)
-            scale_z, rmse_z, _ = self._fit(op.x, shift_z, floor * cfg.min_rmse, budget / float(z.norm()))
-            scale_e, _, _ = self._fit(op.x, shift, cfg.min_rmse, budget / float(vector.norm()))
+            scale_z, rmse_z, _ = self._fit(op.x, shift_z, floor * cfg.floor, budget / float(z.norm()))
+            scale_e, _, _ = self._fit(op.x, shift, cfg.floor, budget / float(vector.norm()))
             vector, shift = scale_z * z + scale_e * vector, scale_z * shift_z + scale_e * shift
             info["rmse_gaussian_part"] = rmse_z
-        scale, rmse, reachable = self._fit(op.x, shift, cfg.min_rmse, budget / max(float(vector.norm()), 1e-30),
+        scale, rmse, reachable = self._fit(op.x, shift, cfg.floor, budget / max(float(vector.norm()), 1e-30),
                                            at_least=1.0 if floor > 0 else 0.0)
         info["rmse_unbounded"] = shift.norm(dim=1) * scale / root
         noise = vector * scale
         jd = op.j(noise.expand(op.batch_size, 1, -1)).squeeze(1).norm(dim=1) if floor > 0 else unit_jd * scale
         info = {"scale": float(scale), **_summaries({**direction.info, **info})}
-        if reachable and not bool((rmse >= cfg.min_rmse * (1 + cfg.rtol)).all()):  # non-finite arithmetic
+        if reachable and not bool((rmse >= cfg.floor * (1 + cfg.rtol)).all()):  # non-finite arithmetic
             raise GuardFailure("the floor could not be verified on the realised noise")
         if not reachable or float(noise.norm()) > budget:
             return _Outcome(noise, rmse, jd / ctx.lambda_max / root, ctx.eps, False,
-                            f"min_rmse={cfg.min_rmse} needs noise {float(noise.norm()):.4g} = "
+                            f"the floor τ={cfg.floor:.4g} needs noise {float(noise.norm()):.4g} = "
                             f"{float(noise.norm()) / max(float(ctx.gradient.norm()), 1e-30):.3g}× the gradient norm"
                             f"{'' if reachable else ' or more (input_bounds clip the predicted error)'}; "
                             f"budget max_rel_noise={cfg.max_rel_noise}", info)
@@ -164,9 +165,9 @@ class Guard:
         cfg, root = self.config, shift.shape[1] ** 0.5
         unit = shift.norm(dim=1)
         linear = max(tau * (1 + 2 * cfg.rtol) * root / float(unit.min()), at_least)
-        if cfg.input_bounds is None:  # the budget is checked on the final noise
+        if cfg.bounds is None:  # the budget is checked on the final noise
             return linear, unit * linear / root, True
-        low, high = _bounds(cfg.input_bounds, x)
+        low, high = _bounds(cfg.bounds, x)
         return _box_scale(x, shift, low, high, tau, cfg.rtol, linear, max(limit, linear))
 
     # -- fail closed ------------------------------------------------------------------------
@@ -194,7 +195,7 @@ class Guard:
         report = GuardReport(rmse_before=torch.zeros(batch), rmse_after=nan, rmse_lb_after=nan, eps=nan, noise_norm=0.0,
                              rel_noise=0.0, met=False, defense=self.config.defense, reason=reason,
                              matvecs=op.applications if op is not None else 0, seconds=0.0,
-                             min_rmse=self.config.min_rmse)
+                             min_rmse=self.config.floor)
         finite = isinstance(gradient, torch.Tensor) and bool(torch.isfinite(gradient).all())
         if not finite and self.config.on_unmet != "drop":
             report.reason += " (gradient not finite: dropped whatever the policy)"
@@ -243,7 +244,8 @@ def _box_scale(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: to
     Each pixel's clipped error |clip(x + c·a) − x| is nondecreasing in c, so the worst sample's RMSE
     is too and bisection finds c. CG's bound ‖Δx̃ − Δx‖ ≤ rtol‖Δx̃‖ and clip being 1-Lipschitz
     bound the exact clipped RMSE below by r̃(c) − rtol·c‖Δx̃‖/√dx; that is what must reach
-    τ(1 + rtol) (aimed at τ(1 + 2·rtol)). Returns (c, r̃(c) per sample, reachable within ``limit``).
+    τ(1 + rtol) (aimed at τ(1 + 2·rtol)). Returns (c, r̃(c) per sample, reachable within ``limit``);
+    the returned c always satisfies the bound when reachable (bisection keeps a verified upper end).
     """
     root = shift.shape[1] ** 0.5
     delta = shift.view_as(x)
@@ -256,11 +258,16 @@ def _box_scale(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: to
         return float((clipped(c) - c * slack).min())
 
     target = tau * (1 + 2 * rtol)
-    if worst(limit) < target:
-        return limit, clipped(limit), False
-    lo, hi = min(start, limit), limit
+    lo = min(start, limit)
     if worst(lo) >= target:
         return lo, clipped(lo), True
+    # The bound r̃(c) − c·slack is not monotone: r̃ saturates at the box while the CG slack grows with
+    # c, so it is judged where it first succeeds — doubling from ``start`` — never only at ``limit``.
+    hi = lo
+    while worst(hi) < target:
+        if hi >= limit:
+            return limit, clipped(limit), False
+        lo, hi = hi, min(2 * hi, limit)
     for _ in range(60):
         mid = (lo * hi) ** 0.5
         lo, hi = (lo, mid) if worst(mid) >= target else (mid, hi)

@@ -67,7 +67,7 @@ def per_sample_rows(model, x, y, tau: float, seed: int, batch_id: int) -> tuple[
     rep = assess(model, x, y, metrics=["grad_norm", "lambda_max", "jacobian_fro2"], seed=seed)
     op = JacobianOperator(model, x, y)
     g = flat_grad(model, x, y)
-    per = op.per_sample_gradients() * op.batch_size  # unscaled ∇θ ℓ_i (the operator's mean reduction removed)
+    per = op.per_sample_gradients()  # unscaled ∇θ ℓ_i
     eps = 1e-2 * rep.lambda_max
     z = torch.randn(op.dtheta, generator=torch.Generator().manual_seed(seed), dtype=g.dtype)
     shift, _, _ = i2f_solve(op, z, eps, 1e-3)
@@ -91,17 +91,23 @@ def per_sample_rows(model, x, y, tau: float, seed: int, batch_id: int) -> tuple[
     return rows, scales
 
 
-def guard_rows(model, x, y, cfg_kw: dict, scales: dict, batch_id: int) -> list[dict]:
-    """Part 2 for one batch: each defense's needed noise in each candidate unit."""
+def guard_rows(model, x, y, cfg_kw: dict, scales: dict, batch_id: int, clips: list) -> list[dict]:
+    """Part 2 for one batch: each defense's needed noise in each candidate unit, per clipping norm C
+    (None: no clipping; with C the noise is also given relative to C and to the clipped update)."""
     rows = []
-    for defense in ("gaussian", "eigen"):
-        guard = Guard(GuardConfig(defense=defense, max_rel_noise=1e6, **cfg_kw))
-        start = time.perf_counter()
-        out = guard.protect(model, x, y, flat_grad(model, x, y))
-        rep = out.report
-        rows.append(dict(batch=batch_id, defense=defense, met=rep.met, seconds=time.perf_counter() - start,
-                         min_rmse_after=float(rep.rmse_after.min()), noise=rep.noise_norm,
-                         **{f"rel_{k}": rep.noise_norm / v for k, v in scales.items()}, reason=rep.reason[:60]))
+    for clip in clips:
+        for defense in ("gaussian", "eigen"):
+            guard = Guard(GuardConfig(defense=defense, max_rel_noise=1e6, clip_per_sample=clip, **cfg_kw))
+            start = time.perf_counter()
+            out = guard.protect(model, x, y, flat_grad(model, x, y))
+            rep = out.report
+            sent = rep.noise_norm / rep.rel_noise if rep.rel_noise else float("nan")  # ‖update before noise‖
+            rows.append(dict(batch=batch_id, clip=clip or "-", defense=defense, met=rep.met,
+                             seconds=time.perf_counter() - start, min_rmse_after=float(rep.rmse_after.min()),
+                             noise=rep.noise_norm, rel_update=rep.rel_noise,
+                             rel_clip=rep.noise_norm / clip if clip else float("nan"),
+                             **{f"rel_{k}": rep.noise_norm / v for k, v in scales.items()},
+                             update_norm=sent, reason=rep.reason[:50]))
     return rows
 
 
@@ -136,11 +142,13 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=None)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--psnr", type=float, default=20.0, help="floor in pixel PSNR (dB); τ = 10^(−psnr/20)/std")
+    parser.add_argument("--clips", default="none,1,5", help="per-sample clipping norms C to compare")
     parser.add_argument("--no-bounds", action="store_true", help="guard without the pixel box")
     parser.add_argument("--round", action="store_true", help="also run a guarded local round (part 3)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--round-batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--budget", type=float, default=10.0, help="max_rel_noise in the local round")
     args = parse_study_args(parser, full=dict(batches=16), cpu=dict(batches=3))
     data = load("mnist5k")
     t0 = time.perf_counter()
@@ -152,32 +160,37 @@ def main() -> None:
     cfg_kw = dict(min_rmse=tau, input_bounds=None if args.no_bounds else box, seed=args.seed)
     print(f"floor {args.psnr} dB pixel PSNR → τ = {tau:.4g} input units; pixel box {box[0]:.3f}..{box[1]:.3f}")
     samples, guarded = [], []
+    clips = [None if c == "none" else float(c) for c in args.clips.split(",")]
     for b in range(args.batches):
         idx = torch.arange(b * args.batch, (b + 1) * args.batch) + 1000
         x, y = train_xy[0][idx], train_xy[1][idx]
         rows, scales = per_sample_rows(model, x, y, tau, args.seed + b, b)
         samples += rows
-        guarded += guard_rows(model, x, y, cfg_kw, scales, b)
+        guarded += guard_rows(model, x, y, cfg_kw, scales, b, clips)
         print(f"batch {b}: ‖g‖={scales['batch_grad']:.3g} mean‖g_i‖/√B={scales['mean_sample']:.3g} "
               f"sgd-noise={scales['sgd_noise']:.3g}")
     _, table = study_paths("trained_guard")
     print("\n## per sample\n" + write_table(samples, table, digits=3))
     print("\n## per update (unlimited budget; noise in candidate units)\n"
           + write_table(guarded, table.with_name("trained_guard_updates.csv"), digits=3))
-    for defense in ("gaussian", "eigen"):
-        rows = [r for r in guarded if r["defense"] == defense]
-        shares = {u: sum(r[f"rel_{u}"] > 10 or not r["met"] for r in rows) / len(rows)
-                  for u in ("batch_grad", "mean_sample", "sgd_noise")}
-        print(f"{defense}: withheld at budget 10× — " + ", ".join(f"{u}: {s:.0%}" for u, s in shares.items()))
+    for clip in clips:
+        for defense in ("gaussian", "eigen"):
+            rows = [r for r in guarded if r["defense"] == defense and r["clip"] == (clip or "-")]
+            units = ("batch_grad", "mean_sample", "sgd_noise") + (("clip",) if clip else ())
+            shares = {u: sum(r[f"rel_{u}"] > 10 or not r["met"] for r in rows) / len(rows) for u in units}
+            print(f"C={clip} {defense}: withheld at budget 10× — "
+                  + ", ".join(f"{u}: {s:.0%}" for u, s in shares.items()))
     if args.round:
         base = dict(accuracy=accuracy(model, *test_xy))
         unguarded = local_round(model, train_xy, test_xy, None, args.steps, args.round_batch, args.lr, args.seed)
         rows = [dict(policy="start", acc=base["accuracy"], sent="", seconds=""),
                 dict(policy="unguarded", acc=unguarded[0], sent=unguarded[1], seconds=unguarded[2])]
-        for defense in ("gaussian", "eigen"):
-            res = local_round(model, train_xy, test_xy, dict(cfg_kw, defense=defense), args.steps,
-                              args.round_batch, args.lr, args.seed)
-            rows.append(dict(policy=defense, acc=res[0], sent=res[1], seconds=res[2]))
+        for clip in clips:
+            for defense in ("gaussian", "eigen"):
+                res = local_round(model, train_xy, test_xy,
+                                  dict(cfg_kw, defense=defense, clip_per_sample=clip, max_rel_noise=args.budget),
+                                  args.steps, args.round_batch, args.lr, args.seed)
+                rows.append(dict(policy=f"{defense} C={clip}", acc=res[0], sent=res[1], seconds=res[2]))
         print("\n## local round\n" + write_table(rows, table.with_name("trained_guard_round.csv"), digits=4))
 
 

@@ -23,7 +23,7 @@ from flguard.guard_config import THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard_report import GuardOutput, GuardReport
 from flguard.risk.assess import i2f_norms, i2f_solve
 from flguard.risk.lanczos import lanczos
-from flguard.risk.operator import JacobianOperator, LossFn
+from flguard.risk.operator import ClippedJacobian, JacobianOperator, LossFn
 
 
 class GuardFailure(RuntimeError):
@@ -65,6 +65,9 @@ class Guard:
         try:
             flat = _checked_gradient(gradient, model)
             op = JacobianOperator(model, x, y, loss_fn)
+            if cfg.clip_per_sample is not None:  # the attacker then inverts the clipped upload
+                op = _clipped(op, flat, cfg.clip_per_sample)
+                flat = op.gradient
             outcome = self._perturb(op, flat)
         except Exception as error:  # fail closed on anything, with the reason in the report
             reason = str(error) if isinstance(error, GuardFailure) else f"{type(error).__name__}: {error}"
@@ -122,7 +125,7 @@ class Guard:
             return _Outcome(torch.zeros_like(ctx.gradient), zeros, zeros, ctx.eps, True)
         vector = direction.vector
         shift, unit_jd = self._solve(ctx, vector)
-        budget = cfg.max_rel_noise * float(ctx.gradient.norm())
+        budget = _budget(ctx.gradient, cfg)
         info: dict = {}
         floor = cfg.gaussian_floor if cfg.defense == "eigen" else 0.0
         if floor > 0:  # an isotropic part of its own that meets floor·τ: no subspace to discard
@@ -216,7 +219,25 @@ def _checked_gradient(gradient: torch.Tensor, model: nn.Module) -> torch.Tensor:
 def _budget_noise(flat: torch.Tensor, cfg: GuardConfig, generator: torch.Generator) -> torch.Tensor:
     """Isotropic noise of norm max_rel_noise·‖g‖ — the most the budget allows, no measurement needed."""
     z = torch.randn(flat.shape, generator=generator, dtype=flat.dtype, device=flat.device)
-    return z * (cfg.max_rel_noise * float(flat.norm()) / float(z.norm()))
+    return z * (_budget(flat, cfg) / float(z.norm()))
+
+
+def _budget(flat: torch.Tensor, cfg: GuardConfig) -> float:
+    """The most noise (norm) an update may carry: max_rel_noise × ‖g‖, or with per-sample clipping
+    × C — the largest norm the clipped mean update can have (DP-SGD's unit), which unlike ‖g‖ does
+    not shrink as the model converges and the samples' gradients cancel."""
+    unit = cfg.clip_per_sample if cfg.clip_per_sample is not None else float(flat.norm())
+    return cfg.max_rel_noise * unit
+
+
+def _clipped(op: JacobianOperator, flat: torch.Tensor, clip: float) -> ClippedJacobian:
+    """The clipped upload's operator, after checking that ``flat`` is the batch loss's gradient (the
+    guard then sends Σ clip(g_i) instead, so anything else in ``flat`` would be silently lost)."""
+    clipped = ClippedJacobian(op, clip)
+    reference = clipped.unclipped_gradient.to(flat)
+    if float((reference - flat).norm()) > 1e-3 * float(flat.norm()) + 1e-12:
+        raise GuardFailure("clip_per_sample: the gradient given is not the batch loss's gradient at (model, x, y)")
+    return clipped
 
 
 def _bounds(bounds: tuple | str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,7 +54,11 @@ class GuardConfig(StrictModel):
     pixel_std: Channels | None = Field(None, description="max_psnr: the inputs' normalisation std, scalar or per channel")
     eps_mode: Literal["relative", "absolute"] = "relative"
     eps: float = Field(DEFAULT_EPS_RELATIVE, ge=0.0, description="Tikhonov ε: × λmax per sample, or absolute")
-    max_rel_noise: float = Field(10.0, gt=0.0, description="noise budget: ‖noise‖ / ‖gradient‖ at most this")
+    max_rel_noise: float = Field(10.0, gt=0.0, description="noise budget: ‖noise‖ / ‖gradient‖ (or / C with "
+                                 "clip_per_sample) at most this")
+    clip_per_sample: float | None = Field(None, gt=0.0, description="C: clip each sample's gradient to norm C "
+                                          "before the floor (the guard measures the clipped map); max_rel_noise is "
+                                          "then relative to C")
     on_unmet: Literal["drop", "max-noise", "send"] = "drop"
     acknowledge_unguarded: bool = Field(False, description="required with on_unmet='send'")
     seed: int | None = Field(None, description="None: noise from OS entropy; an int only for tests/benchmarks")

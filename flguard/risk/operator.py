@@ -243,3 +243,49 @@ class JacobianOperator:
         if vectors.ndim != 3 or vectors.shape[0] != self.batch_size or vectors.shape[2] != dim:
             raise ValueError(f"expected vectors of shape [B={self.batch_size}, k, {dim}], got {tuple(vectors.shape)}")
         return int(vectors.shape[0]), int(vectors.shape[1])
+
+
+class ClippedJacobian:
+    """The blocks of the per-sample-clipped upload U(X) = c Σ_i clip_C(g_i(x_i)), clip_C(g) = g·min(1, C/‖g‖).
+
+    With per-sample clipping the attacker inverts U, not the plain gradient, so the guard must
+    measure U's Jacobian. For a clipped sample (‖g_i‖ > C, g_i unscaled) the chain rule gives
+    ∂clip_C(g_i)/∂g_i = s_i(I − ĝ_iĝ_iᵀ), s_i = C/‖g_i‖, ĝ_i = g_i/‖g_i‖, so in the J (dx × dθ) layout
+
+        J̄_i = J_i · s_i(I − ĝ_iĝ_iᵀ)   (J̄_i = J_i for an unclipped sample),
+
+    exact wherever ‖g_i‖ ≠ C. Products wrap ``JacobianOperator``'s: j(v) = J_i(s_i P_i v) and
+    jᵀ(u) = s_i P_i J_iᵀu. ``gradient`` is U itself (the update to send). Per-sample path only.
+    """
+
+    def __init__(self, op: JacobianOperator, clip: float) -> None:
+        if op.coupled:
+            raise ValueError("per-sample clipping needs a per-sample-separable loss and no train-mode BatchNorm")
+        self.op, self.clip = op, float(clip)
+        per = op.per_sample_gradients()
+        norms = per.norm(dim=1)
+        clipped = norms > self.clip
+        self.factor = torch.where(clipped, self.clip / norms.clamp_min(torch.finfo(per.dtype).tiny),
+                                  torch.ones_like(norms))
+        self.unit = torch.where(clipped.unsqueeze(1), per / norms.clamp_min(torch.finfo(per.dtype).tiny).unsqueeze(1),
+                                torch.zeros_like(per))  # zero: no projection for unclipped samples
+        self.sample_norms = norms
+        self.gradient = op.scale * (per * self.factor.unsqueeze(1)).sum(0)
+        self.unclipped_gradient = op.scale * per.sum(0)
+
+    def __getattr__(self, name: str):  # x, dx, dtheta, batch_size, dtype, device, applications …
+        return getattr(self.op, name)
+
+    def _project(self, w: torch.Tensor) -> torch.Tensor:
+        """s_i(I − ĝ_iĝ_iᵀ) w_i for w [B, k, dθ]."""
+        along = torch.einsum("bkp,bp->bk", w, self.unit)
+        return self.factor.view(-1, 1, 1) * (w - along.unsqueeze(2) * self.unit.unsqueeze(1))
+
+    def j(self, v: torch.Tensor) -> torch.Tensor:
+        return self.op.j(self._project(v))
+
+    def jt(self, u: torch.Tensor) -> torch.Tensor:
+        return self._project(self.op.jt(u))
+
+    def kmv(self, u: torch.Tensor) -> torch.Tensor:
+        return self.j(self.jt(u))

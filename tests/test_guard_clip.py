@@ -1,0 +1,92 @@
+"""Per-sample clipping before the floor (``clip_per_sample``), checked against dense float64 references.
+
+The reference is the autograd Jacobian of the clipped upload U(X) = (1/B) Σ_i clip_C(g_i(x_i)) itself
+(``torch.autograd.functional.jacobian``), never the wrapper's formula: its products must match,
+and the realised noise must meet the floor for every sample under I2F of U solved by
+``torch.linalg.solve``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad
+
+from flguard import Guard, GuardConfig
+from flguard.risk.operator import ClippedJacobian, JacobianOperator
+
+TAU = 0.2
+
+
+def _problem(batch: int = 3, seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)).double()
+    x = torch.randn(batch, 1, 6, 6, dtype=torch.float64)
+    y = torch.randint(0, 3, (batch,))
+    return model, x, y
+
+
+def _upload(model, y, clip):
+    names = [n for n, _ in model.named_parameters()]
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def upload(x):
+        out = 0
+        for i in range(x.shape[0]):
+            tree = grad(lambda p: nn.functional.cross_entropy(functional_call(model, p, x[i:i + 1]), y[i:i + 1]))(params)
+            g = torch.cat([tree[n].reshape(-1) for n in names])
+            out = out + g * torch.clamp(clip / g.norm(), max=1.0)
+        return out / x.shape[0]
+    return upload
+
+
+def _dense(model, x, y, clip):
+    upload = _upload(model, y, clip)
+    jac = torch.autograd.functional.jacobian(upload, x)  # [dθ, B, ...]
+    return jac.reshape(jac.shape[0], x.shape[0], -1).permute(1, 2, 0), upload(x)  # [B, dx, dθ]
+
+
+def _median_norm(model, x, y) -> float:
+    return float(JacobianOperator(model, x, y).per_sample_gradients().norm(dim=1).median())
+
+
+def test_clipped_products_match_the_dense_jacobian_of_the_clipped_upload():
+    model, x, y = _problem()
+    clip = _median_norm(model, x, y)  # some samples clipped, some not
+    op = ClippedJacobian(JacobianOperator(model, x, y), clip)
+    assert bool((op.factor < 1).any()) and bool((op.factor == 1).any())
+    jac, upload = _dense(model, x, y, clip)
+    torch.testing.assert_close(op.gradient, upload)
+    v = torch.randn(3, 2, op.dtheta, dtype=torch.float64)
+    u = torch.randn(3, 2, op.dx, dtype=torch.float64)
+    torch.testing.assert_close(op.j(v), torch.einsum("bxp,bkp->bkx", jac, v))
+    torch.testing.assert_close(op.jt(u), torch.einsum("bxp,bkx->bkp", jac, u))
+
+
+@pytest.mark.parametrize("defense", ["gaussian", "eigen"])
+def test_clipped_floor_holds_under_dense_recomputation(defense):
+    model, x, y = _problem()
+    clip = _median_norm(model, x, y)
+    jac, upload = _dense(model, x, y, clip)
+    g = _upload(model, y, 1e30)(x)  # the plain batch gradient the caller hands over
+    out = Guard(GuardConfig(defense=defense, min_rmse=TAU, seed=2, clip_per_sample=clip,
+                            max_rel_noise=1e4)).protect(model, x, y, g)
+    assert out.report.met and out.gradient is not None
+    delta = out.gradient - upload  # what is sent is the clipped update plus the noise
+    torch.testing.assert_close(out.report.noise_norm, float(delta.norm()))
+    kernel = jac @ jac.transpose(1, 2)
+    eye = torch.eye(jac.shape[1], dtype=jac.dtype)
+    shift = torch.linalg.solve(kernel + out.report.eps.view(-1, 1, 1) * eye, (jac @ delta).unsqueeze(-1))
+    rmse = shift.squeeze(-1).norm(dim=1) / jac.shape[1] ** 0.5
+    assert torch.all(rmse >= TAU), rmse
+
+
+def test_clipping_budget_is_relative_to_c_and_a_foreign_gradient_fails_closed():
+    model, x, y = _problem()
+    g = _upload(model, y, 1e30)(x)
+    clip = _median_norm(model, x, y)
+    tight = Guard(GuardConfig(min_rmse=TAU, seed=2, clip_per_sample=clip, max_rel_noise=1e-6)).protect(model, x, y, g)
+    assert tight.gradient is None and not tight.report.met and "budget" in tight.report.reason
+    foreign = Guard(GuardConfig(min_rmse=TAU, seed=2, clip_per_sample=clip)).protect(model, x, y, 2 * g)
+    assert foreign.gradient is None and "clip_per_sample" in foreign.report.reason

@@ -119,7 +119,8 @@ def test_comparison_writes_every_file_with_the_fixed_columns(comparison, one_thr
     assert len(rows) == 2 * 3 * 2  # rounds × defenses × clients
     assert {(int(r["round"]), r["defense"], int(r["client"])) for r in rows} == \
         {(t, d, c) for t in (1, 2) for d in ("none", "dp", "guarded") for c in (0, 1)}
-    attacked = [r for r in rows if r["attack_method"]]
+    attacked = [r for r in rows if r["attack_target"] == "probe"]
+    uploads = [r for r in rows if r["attack_target"] == "fedavg-upload"]
     withheld = [r for r in rows if r["error"]]
     # A one-sample victim update whose floor needs more noise than max_rel_noise allows is withheld
     # (fail closed): it shows as an error row without an upload, and nothing is attacked.
@@ -127,9 +128,15 @@ def test_comparison_writes_every_file_with_the_fixed_columns(comparison, one_thr
         assert r["defense"] == "guarded" and "update withheld" in r["error"] and r["noise_norm"] == ""
     # one victim per round, the same client in every defense's run (rotating by partition id)
     victims = {1: 0, 2: 1}
-    assert sorted((int(r["round"]), r["defense"]) for r in attacked + withheld) == \
+    probed = attacked + [r for r in withheld if int(r["client"]) == victims[int(r["round"])]]
+    assert sorted((int(r["round"]), r["defense"]) for r in probed) == \
         sorted((t, d) for t in (1, 2) for d in ("none", "dp", "guarded"))
-    assert all(victims[int(r["round"])] == int(r["client"]) for r in attacked + withheld)
+    assert all(victims[int(r["round"])] == int(r["client"]) for r in probed)
+    # ... and the other client's real 2-step upload of 4 samples, attacked by unrolling (attack-uploads)
+    assert {(int(r["round"]), r["defense"]) for r in uploads} >= {(t, d) for t in (1, 2) for d in ("none", "dp")}
+    for r in uploads:
+        assert victims[int(r["round"])] != int(r["client"]) and float(r["attack_batch_size"]) == 8.0
+        assert len(r["attack_rmse_samples"].split()) == 8 and math.isfinite(float(r["attack_psnr"]))
     for r in attacked:
         assert r["attack_method"] == "gs" and float(r["attack_batch_size"]) == 1.0  # the victim config held
         assert float(r["num_examples"]) == 1.0 and math.isfinite(float(r["attack_psnr"]))
@@ -138,6 +145,9 @@ def test_comparison_writes_every_file_with_the_fixed_columns(comparison, one_thr
     columns, summary = _rows(out / "summary.csv")
     assert tuple(columns) == SUMMARY_COLUMNS and [s["defense"] for s in summary] == ["none", "dp", "guarded"]
     assert [int(s["dropped_updates"]) for s in summary] == [0, 0, len(withheld)]
+    for s in summary:  # the promise per kind of attack, per sample
+        assert int(s["probe_attacks"]) + int(s["upload_attacks"]) == int(s["attacks"])
+        assert s["defense"] == "guarded" or (int(s["upload_attacks"]) == 2 and s["upload_tau_met_share"] != "")
     assert "guarded" in output and "best PSNR" in output  # the printed summary table
 
 
@@ -153,7 +163,7 @@ def test_comparison_numbers(comparison, one_thread) -> None:
     dims = sum(p.numel() for p in create("mlp", in_channels=1, num_classes=10, image_size=8).state_dict().values())
     std = 1.0 * math.sqrt(2 * math.log(1.25 / 1e-5)) / 20.0
     for r in by["dp"]:
-        steps_lr = 0.1 * (1 if r["attack_method"] else 2)  # the victim ran 1 step, the others 2
+        steps_lr = 0.1 * (1 if r["attack_target"] == "probe" else 2)  # the victim ran 1 step, the others 2
         assert float(r["noise_norm"]) * steps_lr == pytest.approx(std * math.sqrt(dims), rel=0.05)
         assert r["min_pred_rmse"] == ""  # LocalDpMod's noise is not scored by flguard
 

@@ -341,3 +341,16 @@ def test_report_in_headless_chromium(report, chromium, tmp_path):
         assert len(image.convert("L").getcolors(256)) > 16  # not a blank page
     artifacts_dir().mkdir(parents=True, exist_ok=True)
     shutil.copy(shot, artifacts_dir() / "report.png")
+
+
+def test_promise_is_per_sample_and_per_kind_of_attack() -> None:
+    """τ met = the share of attacked samples with RMSE ≥ τ, over all attacks and per kind (closed form)."""
+    from flguard.compare.tables import sample_rmses, tau_met_share
+
+    probe = {"attack_target": "probe", "attack_rmse": 0.5, "attack_rmse_samples": None}
+    upload = {"attack_target": "fedavg-upload", "attack_rmse": 0.6, "attack_rmse_samples": "0.1 0.4 0.9 1.0"}
+    assert sample_rmses(probe) == [0.5] and sample_rmses(upload) == [0.1, 0.4, 0.9, 1.0]
+    assert tau_met_share([probe], 0.45) == 1.0
+    assert tau_met_share([upload], 0.45) == 0.5          # 2 of 4 samples, though the batch mean 0.6 ≥ τ
+    assert tau_met_share([probe, upload], 0.45) == 0.6   # 3 of 5 samples
+    assert tau_met_share([], 0.45) is None and tau_met_share([probe], None) is None

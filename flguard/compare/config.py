@@ -54,7 +54,7 @@ class TaskSection(StrictModel):
         return name
 
 
-Method = Literal["gs", "dlg", "rgap", "hybrid", "adaptive"]
+Method = Literal["gs", "dlg", "rgap", "hybrid", "adaptive", "strongest"]
 
 
 class AttackSection(StrictModel):
@@ -69,6 +69,14 @@ class AttackSection(StrictModel):
     victim_batch_size: int = Field(0, ge=0, description=">0: the server asks its victims for this batch size")
     victim_local_steps: int = Field(0, ge=0, description=">0: ... and this many local steps")
     hyperparameters: dict[str, float | int | str | bool] = Field(default_factory=dict)
+    strongest: bool = Field(False, description="strongest-attack mode: GS sweeps its TV weight (0, 1e-4, 1e-2, 0.1) "
+                                               "and keeps the best by matching loss (method 'strongest' also runs "
+                                               "DLG and keeps the better of the two)")
+    uploads: int | None = Field(None, ge=0, description="honest clients' real FedAvg uploads attacked per round, "
+                                                        "beside the probes (unrolling their local steps); default "
+                                                        "1 when the server probes (victim_*), else 0")
+    upload_iterations: int = Field(50, ge=1, description="at most this many iterations per attack on a real "
+                                                          "upload (K·B images, K unrolled steps: the cost bound)")
 
     @property
     def methods(self) -> list[str]:
@@ -177,6 +185,11 @@ class CompareConfig(StrictModel):
             "victim-batch-size": attack.victim_batch_size, "victim-local-steps": attack.victim_local_steps,
         }
         config.update({f"attack-hp-{k.replace('_', '-')}": v for k, v in attack.hyperparameters.items()})
+        if attack.strongest:
+            config["attack-hp-strongest"] = True
+        if attack.uploads is not None:
+            config["attack-uploads"] = attack.uploads
+        config["attack-upload-iterations"] = attack.upload_iterations
         config["guard-defense"] = ""  # unset unless a guard defense runs (the app's pyproject may set one)
         if spec.defense == "localdp":
             config.update({f"localdp-{k.replace('_', '-')}": v for k, v in spec.values(LOCALDP_FIELDS).items()})

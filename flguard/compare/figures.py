@@ -141,8 +141,15 @@ def plot_attack_psnr(source: Path | Comparison) -> Path | None:
             ax.plot([], [], " ", label=f"{defense} (not attacked)")
             continue
         shift, style = (i - (len(data.defenses) - 1) / 2) * 0.06, data.style(defense)  # side by side in a round
-        ax.scatter(*zip(*[(x + shift, v) for x, vs in per_round.items() for v in vs]), s=40, label=defense,
-                   edgecolor="white", lw=0.6, zorder=3, **style)
+        uploads = [(int(r["round"]) + shift, psnr(r["attack_psnr"])) for r in data.attacked(defense)
+                   if r.get("attack_target") == "fedavg-upload"]
+        probes = [(int(r["round"]) + shift, psnr(r["attack_psnr"])) for r in data.attacked(defense)
+                  if r.get("attack_target") != "fedavg-upload"]
+        if probes:
+            ax.scatter(*zip(*probes), s=40, label=defense, edgecolor="white", lw=0.6, zorder=3, **style)
+        if uploads:  # honest clients' real multi-step uploads: hollow markers
+            ax.scatter(*zip(*uploads), s=40, label=f"{defense} (real uploads)" if not probes else None,
+                       facecolor="none", edgecolor=style["color"], marker=style["marker"], lw=1.2, zorder=3)
         ax.plot([x + shift for x in sorted(per_round)], [statistics.median(v) for _, v in sorted(per_round.items())],
                 color=style["color"], alpha=0.5, lw=1)  # the round's median, to follow a defense across rounds
     ax.set_ylabel("attack PSNR (dB)  ↑ worse privacy")

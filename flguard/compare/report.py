@@ -41,6 +41,10 @@ PRIVACY_UTILITY: tuple[Column, ...] = (
     ("attack_rmse_min", "min attack RMSE (input units)", _G3, "max"),
     ("tau", "τ (input units)", _G3, None),
     ("tau_met_share", "τ met", _PCT, "max"),
+    ("probe_tau_met_share", "τ met, probes", _PCT, "max"),
+    ("upload_attacks", "real-upload attacks", _INT, None),
+    ("upload_attack_psnr_best", "best real-upload PSNR (dB)", _DB, "min"),
+    ("upload_tau_met_share", "τ met, real uploads", _PCT, "max"),
 )
 COSTS: tuple[Column, ...] = (
     ("defense", "defense", None, None),
@@ -62,7 +66,8 @@ CAPTIONS: Mapping[str, tuple[str, str]] = {
                  "costs."),
     "attack_psnr": ("Privacy: attack quality per round",
                     "Each marker is one attacked client's reconstruction: higher PSNR means a closer copy of the "
-                    "private data, so lower markers mean better privacy."),
+                    "private data, so lower markers mean better privacy. Filled markers are probes (the one-sample "
+                    "upload the server asked for), hollow ones honest clients' real multi-step uploads."),
     "privacy_utility": ("Trade-off",
                         "One point per defense, its final accuracy against the best attack it suffered: the best "
                         "defenses sit up and to the left."),
@@ -88,6 +93,11 @@ from about 15–20 dB; ∞ is an exact copy.</li>
 <li><b>Predicted vs measured</b>: the guard <em>predicts</em> a floor on the reconstruction error before an update
 leaves the client; the malicious server's attack <em>measures</em> the error it really achieves. Measured ≥ predicted
 means the promise was kept. Flower's LocalDpMod makes no prediction, so it has measured values only.</li>
+<li><b>Two kinds of attack.</b> A <em>probe</em> is the upload the malicious server asks its victim for (one
+sample, one local step: the easiest to invert); a <em>real upload</em> (<code>fedavg-upload</code>) is an honest
+client's ordinary multi-step FedAvg update, attacked by unrolling its known local SGD steps with a bounded number of
+iterations. <b>τ met</b> is the share of attacked <em>samples</em> whose measured RMSE is at least τ: over all attacks,
+over probes and over real uploads.</li>
 <li>In the table the <mark>highlighted</mark> cell is the best value of its column (higher accuracy, lower attack
 PSNR/SSIM, higher attack RMSE, more τ met); costs and settings are not ranked.</li>
 </ul>

@@ -5,6 +5,12 @@ model after that round, what its upload cost and carried (gradient norm, noise, 
 and, where the malicious server attacked that client, how well the attack did. ``summary.csv`` has
 one row per defense. Units: ``min_pred_rmse`` and ``attack_rmse`` are per-sample RMSEs in the
 model's input units (the unit of the guard's τ); ``attack_rmse_pixels`` is in pixels ([0, 1]).
+
+Two kinds of attack (``attack_target``): ``probe``, an upload the server asked its victim for (one
+sample, one step: the easiest to invert), and ``fedavg-upload``, an honest client's real multi-step
+upload, attacked by unrolling its known local steps. The promise — the share of attacked *samples*
+reconstructed no closer than τ (``attack_rmse_samples`` holds each sample's RMSE) — is reported for
+all attacks (``tau_met_share``) and for each kind (``probe_tau_met_share``, ``upload_tau_met_share``).
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ ROUND_COLUMNS = ("round", "defense", "client", "test_accuracy", "test_loss", "gr
 # ``error``: why the client's train reply carried no update (e.g. the guard withheld it).
 EXTRA_ROUND_COLUMNS = ("kind", "num_examples", "train_loss", "guard_met", "error", "median_pred_rmse",
                        "attack_rmse_pixels", "attack_label_accuracy", "attack_batch_size", "attack_seconds",
-                       "attack_labels", "attack_image", "attack_error")
+                       "attack_labels", "attack_image", "attack_error", "attack_target", "attack_rmse_samples")
 SUMMARY_COLUMNS = ("defense", "kind", "tau", "rounds", "final_accuracy", "final_loss", "attacks", "attack_psnr_min",
                    "attack_psnr_median", "attack_psnr_best", "attack_ssim_best", "attack_rmse_min", "tau_met_share",
                    "mean_rel_noise", "mean_noise_norm", "guard_overhead", "guard_seconds", "train_seconds",
-                   "dropped_updates", "run_seconds")
+                   "dropped_updates", "run_seconds", "probe_attacks", "probe_tau_met_share", "upload_attacks",
+                   "upload_attack_psnr_best", "upload_attack_rmse_min", "upload_tau_met_share")
+PROBE, UPLOAD = "probe", "fedavg-upload"  # the values of attack_target (flguard.flower.malicious)
 
 
 def _number(value: Any) -> float | None:
@@ -115,6 +123,8 @@ def defense_rows(config: CompareConfig, name: str, directory: Path) -> list[dict
                 "attack_batch_size": _number(attack.get("batch_size")), "attack_seconds": _number(attack.get("seconds")),
                 "attack_labels": attack.get("true_labels") or None,
                 "attack_image": f"runs/{name}/{attack['tensors']}" if attack.get("tensors") else None,
+                "attack_target": (attack.get("attack_target") or PROBE) if attack else None,
+                "attack_rmse_samples": attack.get("rmse_input_samples") or None,
             }
             rows.append(row)
     return rows
@@ -135,14 +145,33 @@ def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def sample_rmses(row: Mapping[str, Any]) -> list[float]:
+    """Every attacked sample's RMSE (input units) of a rounds.csv row; the batch mean when not listed."""
+    listed = [v for v in (_number(t) for t in str(row.get("attack_rmse_samples") or "").split()) if v is not None]
+    if listed:
+        return listed
+    mean = _number(row.get("attack_rmse"))
+    return [] if mean is None else [mean]
+
+
+def tau_met_share(rows: Iterable[Mapping[str, Any]], tau: float | None) -> float | None:
+    """The promise as measured: the share of attacked samples whose RMSE is at least τ."""
+    values = [v for row in rows for v in sample_rmses(row)]
+    return sum(v >= tau for v in values) / len(values) if values and tau is not None else None
+
+
 def summary_row(config: CompareConfig, name: str, rows: Sequence[Mapping[str, Any]],
                 run_summary: Mapping[str, Any]) -> dict[str, Any]:
     """One defense's summary.csv row from its rounds.csv rows and its run summary."""
     spec, tau = config.defense(name), tau_of(config, name)
     attacked = [r for r in rows if r["attack_method"]]
     psnr = [r["attack_psnr"] for r in attacked if r["attack_psnr"] is not None]
-    rmse = [r["attack_rmse"] for r in attacked if r["attack_rmse"] is not None]
+    rmse = [v for r in attacked for v in sample_rmses(r)]  # per sample: the promise is per sample
     ssim = [r["attack_ssim"] for r in attacked if r["attack_ssim"] is not None]
+    probes = [r for r in attacked if (r.get("attack_target") or PROBE) == PROBE]
+    uploaded = [r for r in attacked if r.get("attack_target") == UPLOAD]
+    upload_psnr = [r["attack_psnr"] for r in uploaded if r["attack_psnr"] is not None]
+    upload_rmse = [v for r in uploaded for v in sample_rmses(r)]
     uploads = [r for r in rows if r["rel_noise"] is not None]
     guard_s = sum(r["guard_seconds"] or 0.0 for r in uploads)
     train_s = sum(r["train_seconds"] or 0.0 for r in uploads)
@@ -154,12 +183,15 @@ def summary_row(config: CompareConfig, name: str, rows: Sequence[Mapping[str, An
         "attacks": len(attacked), "attack_psnr_min": min(psnr, default=None), "attack_psnr_median": _median(psnr),
         "attack_psnr_best": max(psnr, default=None), "attack_ssim_best": max(ssim, default=None),
         "attack_rmse_min": min(rmse, default=None),
-        "tau_met_share": (sum(v >= tau for v in rmse) / len(rmse)) if rmse and tau is not None else None,
+        "tau_met_share": tau_met_share(attacked, tau),
         "mean_rel_noise": statistics.fmean(r["rel_noise"] for r in uploads) if uploads else None,
         "mean_noise_norm": statistics.fmean(r["noise_norm"] for r in uploads) if uploads else None,
         "guard_overhead": guard_s / train_s if train_s > 0 else None, "guard_seconds": guard_s,
         "train_seconds": train_s, "dropped_updates": sum(1 for r in rows if r["error"]),
         "run_seconds": _number(run_summary.get("seconds")),
+        "probe_attacks": len(probes), "probe_tau_met_share": tau_met_share(probes, tau),
+        "upload_attacks": len(uploaded), "upload_attack_psnr_best": max(upload_psnr, default=None),
+        "upload_attack_rmse_min": min(upload_rmse, default=None), "upload_tau_met_share": tau_met_share(uploaded, tau),
     }
 
 

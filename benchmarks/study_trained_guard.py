@@ -170,6 +170,13 @@ def main() -> None:
         print(f"batch {b}: ‖g‖={scales['batch_grad']:.3g} mean‖g_i‖/√B={scales['mean_sample']:.3g} "
               f"sgd-noise={scales['sgd_noise']:.3g}")
     _, table = study_paths("trained_guard")
+    if samples:
+        report_batches(samples, guarded, clips, table)
+    if args.round:
+        run_round(model, train_xy, test_xy, cfg_kw, clips, args, table)
+
+
+def report_batches(samples: list, guarded: list, clips: list, table) -> None:
     print("\n## per sample\n" + write_table(samples, table, digits=3))
     print("\n## per update (unlimited budget; noise in candidate units)\n"
           + write_table(guarded, table.with_name("trained_guard_updates.csv"), digits=3))
@@ -180,19 +187,22 @@ def main() -> None:
             shares = {u: sum(r[f"rel_{u}"] > 10 or not r["met"] for r in rows) / len(rows) for u in units}
             print(f"C={clip} {defense}: withheld at budget 10× — "
                   + ", ".join(f"{u}: {s:.0%}" for u, s in shares.items()))
-    if args.round:
-        base = dict(accuracy=accuracy(model, *test_xy))
-        unguarded = local_round(model, train_xy, test_xy, None, args.steps, args.round_batch, args.lr, args.seed)
-        rows = [dict(policy="start", acc=base["accuracy"], sent="", seconds=""),
-                dict(policy="unguarded", acc=unguarded[0], sent=unguarded[1], seconds=unguarded[2])]
-        for clip in clips:
-            for defense in ("gaussian", "eigen"):
-                res = local_round(model, train_xy, test_xy,
-                                  dict(cfg_kw, defense=defense, clip_per_sample=clip, max_rel_noise=args.budget),
-                                  args.steps, args.round_batch, args.lr, args.seed)
-                rows.append(dict(policy=f"{defense} C={clip}", acc=res[0], sent=res[1], seconds=res[2]))
-        print("\n## local round\n" + write_table(rows, table.with_name("trained_guard_round.csv"), digits=4))
 
+
+def run_round(model, train_xy, test_xy, cfg_kw: dict, clips: list, args, table) -> None:
+    """Part 3: the same local round unguarded and guarded per (defense, C), each row as it finishes."""
+    unguarded = local_round(model, train_xy, test_xy, None, args.steps, args.round_batch, args.lr, args.seed)
+    rows = [dict(policy="start", acc=accuracy(model, *test_xy), sent="", seconds=""),
+            dict(policy="unguarded", acc=unguarded[0], sent=unguarded[1], seconds=unguarded[2])]
+    print(rows)
+    for clip in clips:
+        for defense in ("gaussian", "eigen"):
+            res = local_round(model, train_xy, test_xy,
+                              dict(cfg_kw, defense=defense, clip_per_sample=clip, max_rel_noise=args.budget),
+                              args.steps, args.round_batch, args.lr, args.seed)
+            rows.append(dict(policy=f"{defense} C={clip}", acc=res[0], sent=res[1], seconds=res[2]))
+            print(rows[-1], flush=True)
+    print("\n## local round\n" + write_table(rows, table.with_name("trained_guard_round.csv"), digits=4))
 
 if __name__ == "__main__":
     main()

@@ -1,21 +1,25 @@
-"""Why the guard withholds on a trained model (issue 12 §2): per-sample measurements and budget units.
+"""Why the guard withholds on a trained model (issue 12 §2): per-sample measurements, budget units, clipping.
 
-Trains Flower's quickstart CNN (``cnn``) on MNIST-5k (Adam, B = 32), then on guarded batches:
+Trains Flower's quickstart CNN (``cnn``) on MNIST-5k (Adam, B = 32, 3 epochs), floor ``--psnr`` dB
+in pixels (τ = 10^(−psnr/20)/std input units, pixel box unless ``--no-bounds``), then:
 
-1. per sample — confidence, loss, per-sample gradient norm ‖g_i‖, ‖J_i‖_F, λmax(K_i), and the
-   noise norm that alone would put that sample on the floor τ: with the isotropic draw the
-   ``gaussian`` defense sends (c_i·‖z‖, c_i = τ√dx/‖(K_i+εI)⁻¹J_i z‖) and with the best eigen
-   direction (τ√dx / max_j √λ_j/(λ_j+ε), the least any direction can need, over the Ritz values);
-   each over the batch gradient norm ‖g‖;
-2. per update — the guard (``gaussian`` and ``eigen``, pixel box) with an unlimited budget, and the
-   noise it needed measured in candidate budget units: ‖g‖ (today's), the mean per-sample norm
-   mean‖g_i‖/√B, and the batch's own SGD noise √(Σ‖g_i − g‖²)/B; the share withheld at a budget of
-   10 in each unit;
-3. (``--round``) a guarded local round: ``--steps`` SGD steps at B = ``--round-batch`` with the
-   guarded gradients against the same round unguarded, test accuracy of both.
+1. per sample (B = ``--batch``) — confidence, loss, unscaled per-sample gradient norm ‖g_i‖,
+   ‖J_i‖_F, λmax(K_i), and the noise norm that alone would put that sample on τ: with the isotropic
+   draw the ``gaussian`` defense sends (c_i·‖z‖, c_i = τ√dx/‖(K_i+εI)⁻¹J_i z‖) and along the best
+   eigen direction (τ√dx / max_j √λ_j/(λ_j+ε) over the Ritz values: the least any direction needs);
+   each over the batch gradient norm ‖g‖ (unbounded: no box);
+2. per update — the guard (``gaussian``, ``eigen``) with an unlimited budget, for each per-sample
+   clipping norm C in ``--clips`` (``none``: no clipping), and the noise it needed in candidate
+   budget units: ‖g‖ (the update before noise), mean‖g_i‖/√B, the batch's own SGD noise
+   √(Σ‖g_i − ḡ‖²)/B, and C; the share withheld at a budget of 10 in each unit;
+3. (``--round``) a local round: ``--steps`` SGD steps (lr ``--lr``) at B = ``--round-batch``,
+   unguarded and guarded per (``--defenses``, C) at ``--budget``; test accuracy, updates sent,
+   seconds (``none`` with a C is clipping alone, no noise).
 
-    OMP_NUM_THREADS=1 python benchmarks/study_trained_guard.py            # CPU quick, ~5 min
-    OMP_NUM_THREADS=1 python benchmarks/study_trained_guard.py --round    # + the local round
+    OMP_NUM_THREADS=1 python benchmarks/study_trained_guard.py            # parts 1-2, CPU ~3 min
+    OMP_NUM_THREADS=1 python benchmarks/study_trained_guard.py --batches 0 --round --clips 1,none
+    OMP_NUM_THREADS=1 python benchmarks/study_trained_guard.py --batches 0 --round --clips 1 \
+        --defenses none,gaussian --steps 60                                # the withheld share
     python benchmarks/study_trained_guard.py --full --device cuda
 """
 
@@ -148,6 +152,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--round-batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--defenses", default="gaussian,eigen", help="defenses in the local round")
     parser.add_argument("--budget", type=float, default=10.0, help="max_rel_noise in the local round")
     args = parse_study_args(parser, full=dict(batches=16), cpu=dict(batches=3))
     data = load("mnist5k")
@@ -196,7 +201,7 @@ def run_round(model, train_xy, test_xy, cfg_kw: dict, clips: list, args, table) 
             dict(policy="unguarded", acc=unguarded[0], sent=unguarded[1], seconds=unguarded[2])]
     print(rows)
     for clip in clips:
-        for defense in ("gaussian", "eigen"):
+        for defense in args.defenses.split(","):
             res = local_round(model, train_xy, test_xy,
                               dict(cfg_kw, defense=defense, clip_per_sample=clip, max_rel_noise=args.budget),
                               args.steps, args.round_batch, args.lr, args.seed)

@@ -32,11 +32,12 @@ def _write(tmp_path: Path, text: str, name: str = "config.toml") -> Path:
 def test_shipped_configs_are_valid() -> None:
     demo = load_config(DEFAULT_CONFIG)
     assert (demo.task.model, demo.task.dataset, demo.task.clients, demo.task.partitioning, demo.task.alpha) == \
-        ("lenet", "mnist5k", 4, "dirichlet", 0.5)
+        ("cnn", "mnist5k", 4, "dirichlet", 0.5)
     assert [d.defense for d in demo.defenses] == ["none", "localdp", "gaussian", "eigen"]
     taus = {d.min_rmse for d in demo.defenses if d.defense in ("gaussian", "eigen")}
     assert len(taus) == 1 and demo.attack.method == "gs" and demo.attack.clients_per_round == 1
-    assert load_config(SIMULATIONS / "lfw.toml").task.dataset == "lfw-faces"
+    lfw = load_config(SIMULATIONS / "lfw.toml").task
+    assert (lfw.model, lfw.dataset) == ("cnn", "lfw-faces")
 
 
 @pytest.mark.parametrize("old, new, message", [

@@ -6,6 +6,7 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 
+import contextlib  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -67,18 +68,27 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@contextlib.contextmanager
+def importable_app(monkeypatch: pytest.MonkeyPatch, folder: Path, package: str):
+    """Make a Flower app package under ``folder`` importable here and by the Ray workers (through
+    sys.path); afterwards shut Ray down and forget the package's modules, whatever happens."""
+    monkeypatch.syspath_prepend(str(folder))
+    try:
+        yield
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+            del sys.modules[name]
+
+
 @pytest.fixture
 def simulation_apps(monkeypatch: pytest.MonkeyPatch):
-    """The app factories of simulations/ (importable by the Ray workers through sys.path); Ray is
-    shut down afterwards, whatever happens."""
-    monkeypatch.syspath_prepend(str(SIMULATIONS))
-    from flguard_sim.client_app import make_client_app
-    from flguard_sim.server_app import make_server_app
+    """The app factories of simulations/."""
+    with importable_app(monkeypatch, SIMULATIONS, "flguard_sim"):
+        from flguard_sim.client_app import make_client_app
+        from flguard_sim.server_app import make_server_app
 
-    yield make_client_app, make_server_app
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    for name in [m for m in sys.modules if m.startswith("flguard_sim")]:
-        del sys.modules[name]
+        yield make_client_app, make_server_app

@@ -78,7 +78,9 @@ def launch():
                 continue
 
 
-def test_guarded_run_survives_a_killed_supernode(tmp_path: Path, launch) -> None:
+def _start_federation(tmp_path: Path, launch, node_config: str = "") -> tuple[list[subprocess.Popen], dict]:
+    """A SuperLink and two SuperNodes on loopback (``node_config`` added to each node's partition
+    keys), both registered; returns the nodes and the environment for ``flwr`` commands."""
     port = _free_port()
     home = tmp_path / "flwr-home"
     home.mkdir()
@@ -91,11 +93,17 @@ def test_guarded_run_survives_a_killed_supernode(tmp_path: Path, launch) -> None
             "--port", str(port)], tmp_path / "superlink.log", env)
     _wait_for_port(port, 90)
     nodes = [launch([str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
-                     "--port", str(_free_port()), "--node-config", f"partition-id={k} num-partitions=2"],
+                     "--port", str(_free_port()), "--node-config",
+                     f"partition-id={k} num-partitions=2 {node_config}".strip()],
                     tmp_path / f"supernode-{k}.log", env) for k in range(2)]
-    # Both SuperNodes registered before the run starts, so round 1 samples both (min-nodes=1 only
-    # lets round 2's evaluate go on without the node killed below).
+    # Both SuperNodes registered before a run starts, so its first round samples both.
     _wait_for_log(tmp_path / "superlink.log", "Activated node_id=", count=2, seconds=180)
+    return nodes, env
+
+
+def test_guarded_run_survives_a_killed_supernode(tmp_path: Path, launch) -> None:
+    # min-nodes=1 only lets round 2's evaluate go on without the node killed below.
+    nodes, env = _start_federation(tmp_path, launch)
     out_dir = tmp_path / "results"
     run_log = tmp_path / "run.log"
     run = launch([str(BIN / "flwr"), "run", str(SIMULATIONS), "local-deployment", "--stream", "--run-config",
@@ -127,23 +135,7 @@ def test_the_server_cannot_switch_the_clients_guard_off(tmp_path: Path, launch) 
     """SuperNodes whose node config sets the client's own guard; the run config asks for
     ``guard-defense = "none"``. Every train reply must come back guarded or as an error: here, the
     refusal that names the run config's attempt."""
-    port = _free_port()
-    home = tmp_path / "flwr-home"
-    home.mkdir()
-    (home / "config.toml").write_text(f'[superlink]\ndefault = "local-deployment"\n\n[superlink.local-deployment]\n'
-                                      f'address = "127.0.0.1:{port}"\ninsecure = true\n')
-    env = {**os.environ, "FLWR_HOME": str(home), "FLGUARD_RUNS_DIR": str(tmp_path / "runs"),
-           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
-           "FLWR_TELEMETRY_ENABLED": "0", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    launch([str(BIN / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
-            "--port", str(port)], tmp_path / "superlink.log", env)
-    _wait_for_port(port, 90)
-    for k in range(2):
-        launch([str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
-                "--port", str(_free_port()), "--node-config",
-                f"partition-id={k} num-partitions=2 guard-defense='gaussian' guard-min-rmse=0.05"],
-               tmp_path / f"supernode-{k}.log", env)
-    _wait_for_log(tmp_path / "superlink.log", "Activated node_id=", count=2, seconds=180)
+    _, env = _start_federation(tmp_path, launch, "guard-defense='gaussian' guard-min-rmse=0.05")
     out_dir = tmp_path / "results"
     run_log = tmp_path / "run.log"
     run = launch([str(BIN / "flwr"), "run", str(SIMULATIONS), "local-deployment", "--stream", "--run-config",
@@ -170,22 +162,7 @@ def test_compare_recipe_on_the_deployment_engine(tmp_path: Path, launch) -> None
     ``flguard compare`` merges the finished runs without redoing any in the Simulation Engine."""
     config, out = tmp_path / "deployed.toml", tmp_path / "out"
     config.write_text(DEPLOYED_COMPARISON)
-    port = _free_port()
-    home = tmp_path / "flwr-home"
-    home.mkdir()
-    (home / "config.toml").write_text(f'[superlink]\ndefault = "local-deployment"\n\n[superlink.local-deployment]\n'
-                                      f'address = "127.0.0.1:{port}"\ninsecure = true\n')
-    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_TELEMETRY_ENABLED": "0",
-           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    launch([str(BIN / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
-            "--port", str(port)], tmp_path / "superlink.log", env)
-    _wait_for_port(port, 90)
-    for k in range(2):
-        launch([str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
-                "--port", str(_free_port()), "--node-config", f"partition-id={k} num-partitions=2"],
-               tmp_path / f"supernode-{k}.log", env)
-    _wait_for_log(tmp_path / "superlink.log", "Activated node_id=", count=2, seconds=180)
+    _, env = _start_federation(tmp_path, launch)
     flguard = [str(BIN / "flguard"), "compare", str(config), "--out", str(out)]
     for defense in ("none", "guarded"):
         printed = subprocess.run([*flguard, "--run-config", defense], env=env, capture_output=True, text=True,
@@ -208,6 +185,8 @@ def test_compare_recipe_on_the_deployment_engine(tmp_path: Path, launch) -> None
     guarded = [r for r in rows if r["defense"] == "guarded"]
     assert all(float(r["min_pred_rmse"]) >= 0.2 and float(r["noise_norm"]) > 0 for r in guarded), guarded
     attacked = [r for r in rows if r["attack_method"]]
-    # One victim per round and defense; no true batch outside simulations, so no scores.
-    assert len(attacked) == 2 and all(r["attack_method"] == "gs" and r["attack_psnr"] == "" for r in attacked), attacked
+    # Per round and defense: one probed victim and one honest client's real upload; no true batch
+    # outside simulations, so no scores.
+    assert sorted(r["attack_target"] for r in attacked) == ["fedavg-upload"] * 2 + ["probe"] * 2, attacked
+    assert all(r["attack_method"] == "gs" and r["attack_psnr"] == "" for r in attacked), attacked
     assert (out / "report.html").exists() and (out / "summary.csv").exists()

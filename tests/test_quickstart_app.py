@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, R
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
+from conftest import importable_app
 from flguard.guard import Guard
 from flguard.guard_report import METRIC_KEYS
 
@@ -34,18 +34,12 @@ BACKEND = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"
 
 @pytest.fixture
 def quickstart(monkeypatch: pytest.MonkeyPatch):
-    """The app's modules, importable here and by the Ray workers; Ray shut down afterwards."""
-    monkeypatch.syspath_prepend(str(APP))
-    import quickstart_app.client_app as client_app
-    import quickstart_app.task as task
+    """The app's modules, importable here and by the Ray workers."""
+    with importable_app(monkeypatch, APP, "quickstart_app"):
+        import quickstart_app.client_app as client_app
+        import quickstart_app.task as task
 
-    yield client_app, task
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    for name in [m for m in sys.modules if m.startswith("quickstart_app")]:
-        del sys.modules[name]
+        yield client_app, task
 
 
 def test_guarding_the_quickstart_is_four_lines_and_the_docs_show_that_diff(tmp_path):

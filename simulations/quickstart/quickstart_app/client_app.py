@@ -23,10 +23,8 @@ def _settings(msg: Message) -> dict:
             "batch-size": int(config.get("batch-size", 32)), "dataset": str(config.get("dataset", "mnist5k"))}
 
 
-@app.train()
-def train(msg: Message, context: Context):
-    """Train the model on local data."""
-    settings = _settings(msg)
+def _model_and_data(msg: Message, context: Context, settings: dict):
+    """The received global model on this node's device, and this node's train / test loaders."""
     model = Net(settings["dataset"])
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -34,7 +32,15 @@ def train(msg: Message, context: Context):
 
     partition_id = context.node_config["partition-id"]
     num_partitions = context.node_config["num-partitions"]
-    trainloader, _ = load_data(partition_id, num_partitions, settings["batch-size"], settings["dataset"])
+    trainloader, valloader = load_data(partition_id, num_partitions, settings["batch-size"], settings["dataset"])
+    return model, device, trainloader, valloader
+
+
+@app.train()
+def train(msg: Message, context: Context):
+    """Train the model on local data."""
+    settings = _settings(msg)
+    model, device, trainloader, _ = _model_and_data(msg, context, settings)
 
     train_loss = train_fn(model, trainloader, settings["local-epochs"], settings["lr"], device)
 
@@ -48,14 +54,7 @@ def train(msg: Message, context: Context):
 def evaluate(msg: Message, context: Context):
     """Evaluate the model on local data."""
     settings = _settings(msg)
-    model = Net(settings["dataset"])
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    model.to(device)
-
-    partition_id = context.node_config["partition-id"]
-    num_partitions = context.node_config["num-partitions"]
-    _, valloader = load_data(partition_id, num_partitions, settings["batch-size"], settings["dataset"])
+    model, device, _, valloader = _model_and_data(msg, context, settings)
 
     eval_loss, eval_acc = test_fn(model, valloader, device)
 

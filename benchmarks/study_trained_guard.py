@@ -128,8 +128,10 @@ def local_round(model, train_xy, test_xy, cfg_kw: dict | None, steps: int, batch
         x, y = train_xy[0][idx], train_xy[1][idx]
         g = flat_grad(local, x, y)
         if guard is not None:
-            g = guard.protect(local, x, y, g).gradient
+            out = guard.protect(local, x, y, g)
+            g = out.gradient
         if g is None:
+            print(f"    withheld: {out.report.reason[:110]}", flush=True)
             continue
         sent += 1
         with torch.no_grad():

@@ -146,8 +146,10 @@ class Guard:
         if not reachable or float(noise.norm()) > budget:
             return _Outcome(noise, rmse, jd / ctx.lambda_max / root, ctx.eps, False,
                             f"the floor τ={cfg.floor:.4g} needs noise {float(noise.norm()):.4g} = "
-                            f"{float(noise.norm()) / max(float(ctx.gradient.norm()), 1e-30):.3g}× the gradient norm"
-                            f"{'' if reachable else ' or more (input_bounds clip the predicted error)'}; "
+                            + (f"{float(noise.norm()) / cfg.clip_per_sample:.3g}× the clipping norm C"
+                               if cfg.clip_per_sample is not None else
+                               f"{float(noise.norm()) / max(float(ctx.gradient.norm()), 1e-30):.3g}× the gradient norm")
+                            + f"{'' if reachable else ' or more (input_bounds clip the predicted error)'}; "
                             f"budget max_rel_noise={cfg.max_rel_noise}", info)
         return _Outcome(noise, rmse, jd / ctx.lambda_max / root, ctx.eps, True, "", info)
 

@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--tau", type=float, default=0.1)
     parser.add_argument("--defenses", nargs="+", default=["gaussian", "eigen"])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rtol", type=float, default=None, help="GuardConfig.rtol (default: the config's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -112,7 +113,8 @@ def main() -> None:
           f"{'prod/step':>9} {'lanczos':>8} {'cg':>6} {'other':>6} {'ms/prod':>8} {'lanczos s':>9} {'cg s':>6} {'met':>6}")
     for defense in args.defenses:
         plain, _ = run_round(copy.deepcopy(base), rnd, args.lr)
-        guard = Guard(GuardConfig(defense=defense, min_rmse=args.tau, seed=0, max_rel_noise=1e9))
+        extra = {} if args.rtol is None else {"rtol": args.rtol}
+        guard = Guard(GuardConfig(defense=defense, min_rmse=args.tau, seed=0, max_rel_noise=1e9, **extra))
         for key in COUNTS:
             COUNTS[key] = 0
         guarded, reports = run_round(copy.deepcopy(base), rnd, args.lr, guard)

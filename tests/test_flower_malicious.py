@@ -1,8 +1,9 @@
-"""The malicious-server wrapper in a real Flower simulation, and the pieces it rests on.
+"""The malicious server (``flguard.server``) in a real Flower simulation, and the pieces it rests on.
 
 The simulation test runs Flower's Simulation Engine in-process (Ray backend, 2 SuperNodes,
 2 rounds, LeNet on MNIST-5k, GS with a few iterations) and checks what lands on disk and what
-reaches aggregation. Ray is shut down afterwards, whatever happens.
+reaches aggregation. Ray is shut down afterwards, whatever happens. The client import path
+(``flguard.flower``) is checked, in a fresh interpreter, to load none of the server's code.
 """
 
 from __future__ import annotations
@@ -10,15 +11,18 @@ from __future__ import annotations
 import csv
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from flwr.app import Context, RecordDict
 
-from flguard.flower import AttackSpec, TruthChannelRefused, TruthReader, delta_to_gradient, record_batch
-from flguard.flower import task
-from flguard.flower.truth import TRUTH_DIR_KEY, in_simulation_runtime
+from flguard.flower import TRUTH_DIR_KEY, TruthChannelRefused, in_simulation_runtime, record_batch, task
+from flguard.server import AttackSpec, MaliciousServer, TrueBatch, TruthReader, delta_to_gradient
+from flguard.server.uploads import UPLOAD, UploadAttack, upload_attack_from_config
+from flguard.server.victims import first_clients, honest_targets
 
 def _context(run_config: dict | None = None) -> Context:
     return Context(run_id=7, node_id=11, node_config={"partition-id": 0, "num-partitions": 2},
@@ -121,8 +125,6 @@ def test_malicious_server_in_a_ray_simulation(tmp_path: Path, simulation_apps) -
 
 def test_k_step_upload_is_attacked_by_unrolling_and_scored(tmp_path: Path) -> None:
     """Without Flower's runtime: one K = 2 step upload through ``attack_upload``, scored on its 2 images."""
-    from flguard.flower import MaliciousServer
-    from flguard.flower.truth import TrueBatch
     from flwr.serverapp.strategy import FedAvg
 
     settings = task.TaskSettings(batch_size=1, lr=0.1, local_steps=2, init="uniform")
@@ -147,9 +149,6 @@ def test_real_two_step_upload_is_recovered_by_the_bounded_unrolled_attack(tmp_pa
     """An honest client's real K = 2 step upload (``task.local_sgd``'s batching: consecutive chunks of
     a random permutation), attacked as a ``fedavg-upload`` with the bounded spec: both samples come
     back (measured: 27 and 50 dB), and every sample's RMSE is listed for the per-sample promise."""
-    from flguard.flower import MaliciousServer
-    from flguard.flower.malicious import UPLOAD, UploadAttack
-    from flguard.flower.truth import TrueBatch
     from flwr.serverapp.strategy import FedAvg
 
     settings = task.TaskSettings(batch_size=1, lr=0.1, local_steps=2, init="uniform")
@@ -175,8 +174,6 @@ def test_real_two_step_upload_is_recovered_by_the_bounded_unrolled_attack(tmp_pa
 
 def test_upload_attack_settings_and_honest_targets() -> None:
     """Which honest uploads are attacked, and the run-config keys that switch it on."""
-    from flguard.flower import MaliciousServer
-    from flguard.flower.malicious import UploadAttack, first_clients, upload_attack_from_config
     from flwr.serverapp.strategy import FedAvg
 
     assert upload_attack_from_config({}) is None  # no probes: the ordinary targets are real uploads
@@ -189,10 +186,34 @@ def test_upload_attack_settings_and_honest_targets() -> None:
                                                                                   hyperparameters={"tv": 0.1}))
     assert spec.iterations == 30 and spec.hyperparameters == {"tv": 0.0}
 
-    def server(upload):
-        return MaliciousServer(FedAvg(), model_fn=lambda: None, input_shape=(1, 8, 8), targets=first_clients(1),
-                               upload_attack=upload)
+    select = first_clients(1)
+    assert honest_targets(select, None, 1, [3, 5]) == []
+    assert honest_targets(select, UploadAttack(clients=1), 1, [5, 3, 9]) == [3]
+    assert honest_targets(select, UploadAttack(clients=5), 1, [5, 3, 9]) == [3, 5, 9]
+    # Next round's picks come first: with a selector preferring 9, 9 is attacked before 3.
+    assert honest_targets(lambda r, nodes: [9] if r == 2 else [], UploadAttack(clients=2), 1, [5, 3, 9]) == [9, 3]
+    # The wrapper drops an upload attack for 0 clients: its runner then has no bounded specs.
+    server = MaliciousServer(FedAvg(), model_fn=lambda: None, input_shape=(1, 8, 8), targets=select,
+                             attacks=[AttackSpec("gs"), AttackSpec("rgap")], upload_attack=UploadAttack(clients=0))
+    assert server.runner.upload_attack is None and server.runner.specs(bounded=True) == []
+    bounded = MaliciousServer(FedAvg(), model_fn=lambda: None, input_shape=(1, 8, 8), targets=select,
+                              attacks=[AttackSpec("gs"), AttackSpec("rgap")], upload_attack=UploadAttack(iterations=7))
+    (only,) = bounded.runner.specs(bounded=True)  # R-GAP cannot unroll K steps: only GS, bounded
+    assert only.method == "gs" and only.iterations == 7 and only.unroll
 
-    assert server(None)._honest_targets(1, [3, 5]) == []
-    assert server(UploadAttack(clients=1))._honest_targets(1, [5, 3, 9]) == [3]
-    assert server(UploadAttack(clients=5))._honest_targets(1, [5, 3, 9]) == [3, 5, 9]
+
+def test_client_import_path_loads_no_server_code() -> None:
+    """A client that imports ``flguard.flower`` (and builds the apps' ClientApp) loads neither the
+    malicious server nor the attacks: checked in a fresh interpreter, where nothing was imported before."""
+    probe = ("import sys, flguard.flower, flguard.flower.apps\n"
+             "print('\\n'.join(sorted(sys.modules)))")
+    loaded = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[1]).stdout.split()
+    assert "flguard.flower" in loaded and "flguard.flower.guard_mod" in loaded  # the probe did import the client
+    server_side = [name for name in loaded if name == "flguard.server" or name.startswith(("flguard.server.",
+                   "flguard.attacks")) or name in ("flguard.flower.malicious", "flguard.flower.uploads",
+                                                   "flguard.flower.scoring")]
+    assert server_side == [], server_side
+    import flguard.flower
+
+    assert not {"MaliciousServer", "AttackSpec", "TruthReader", "score_batch"} & set(flguard.flower.__all__)

@@ -63,7 +63,7 @@ def _batch_gradient(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.
 
 def _write_outputs(out: Path, originals: torch.Tensor, reconstructions: torch.Tensor, per_sample: list[dict],
                    summary: dict[str, Any]) -> list[Path]:
-    from flguard.flower.scoring import save_grid
+    from flguard.server.results import save_grid
 
     out.mkdir(parents=True, exist_ok=True)
     grid = save_grid([originals, reconstructions], out / "reconstruction.png")

@@ -1,15 +1,18 @@
-"""Flower integration: the guard's client mod, the malicious-server strategy wrapper, the shared FL
-task, the truth channel.
+"""Flower integration, client side: the guard's client mod and wrappers, the shared FL task, the
+client half of the truth channel.
 
 - ``guard_mod(GuardConfig(...))`` + ``make_guarded(model, optimizer, criterion)`` (an unchanged
   ``loss.backward(); optimizer.step()`` loop) or ``guard_step(...)`` (hand-written loops): only
   guarded train updates leave the client
   (Message-API and ``client_fn`` apps; chains with Flower's LocalDpMod and SecAgg+ mods);
   ``GuardedNumPyClient`` does the same for a legacy ``NumPyClient``.
-
-- ``MaliciousServer`` wraps any Flower 1.41 Message-API strategy and attacks the uploads it sees.
 - ``flguard.flower.task``: model, client partitions, local SGD and record helpers the apps share.
-- ``flguard.flower.truth``: the simulation-only channel giving the server the true batches to score.
+- ``flguard.flower.truth``: ``record_batch``, the simulation-only channel leaving the true batch
+  for the simulated server to score (a no-op in deployment).
+- ``flguard.flower.apps``: the ClientApp and ServerApp every flguard run uses.
+
+The malicious server lives in ``flguard.server``: importing this package loads no server code and
+no attack (a test checks ``sys.modules``), so a client pays for — and exposes — only its guard.
 """
 
 from flguard.guard_config import GuardConfig
@@ -24,16 +27,7 @@ from flguard.flower.guard_mod import (
     weaker_fields,
 )
 from flguard.flower.numpy_client import GuardedNumPyClient, UnguardedUpdate
-from flguard.flower.malicious import (
-    AttackSpec,
-    ClientUpdate,
-    MaliciousServer,
-    delta_to_gradient,
-    every_client,
-    first_clients,
-)
-from flguard.flower.scoring import save_grid, score_batch
-from flguard.flower.truth import TRUTH_DIR_KEY, TruthChannelRefused, TruthReader, in_simulation_runtime, record_batch
+from flguard.flower.truth import TRUTH_DIR_KEY, TruthChannelRefused, in_simulation_runtime, record_batch
 
 __all__ = [
     "GuardConfig",
@@ -47,17 +41,8 @@ __all__ = [
     "UnguardedUpdate",
     "GuardDropped",
     "round_metrics",
-    "AttackSpec",
-    "ClientUpdate",
-    "MaliciousServer",
-    "delta_to_gradient",
-    "every_client",
-    "first_clients",
-    "score_batch",
-    "save_grid",
     "TRUTH_DIR_KEY",
     "TruthChannelRefused",
-    "TruthReader",
     "in_simulation_runtime",
     "record_batch",
 ]

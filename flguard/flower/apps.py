@@ -9,9 +9,11 @@ Client side: the train handler runs ``task.handle_train`` (local SGD, ``guard_st
 the defenses attach as mods from the same config: ``guard-<field>`` keys configure the guard
 (``flguard.flower.guard_mod``), ``localdp-<field>`` keys Flower's own ``LocalDpMod``.
 
-Server side: FedAvg that logs every reply (``LoggedFedAvg``), wrapped by ``MaliciousServer`` when
-``malicious = true``. With an ``out-dir`` it writes ``summary.json`` (per-reply metrics, attack
-rows, the run config) at the end: a run directory with ``summary.json`` is a finished run.
+Server side: FedAvg that logs every reply (``LoggedFedAvg``), wrapped by
+``flguard.server.MaliciousServer`` when ``malicious = true``. With an ``out-dir`` it writes
+``summary.json`` (per-reply metrics, attack rows, the run config) at the end: a run directory with
+``summary.json`` is a finished run. The server package is imported inside the server functions
+only, so that a ClientApp built from this module loads no server code and no attack.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -34,8 +36,10 @@ from flwr.serverapp.strategy.result import Result
 from flguard.flower import task
 from flguard.flower.dp import localdp_mod_from_config
 from flguard.flower.guard_mod import guard_mod_from_run_config, prefixed_config
-from flguard.flower.malicious import AttackSpec, MaliciousServer, TargetSelector, upload_attack_from_config
 from flguard.flower.truth import TRUTH_DIR_KEY, resolve_path
+
+if TYPE_CHECKING:
+    from flguard.server import AttackSpec, TargetSelector
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +212,7 @@ def attack_specs(settings: ServerSettings, hyperparameters: Mapping[str, Any], s
     """One AttackSpec per method of ``attack-method`` ("gs" or "gs,dlg"); ``attack-iterations`` gives one
     count for all or one per method; each method gets the hyperparameters it accepts."""
     from flguard.attacks.api import hyperparameters_of
+    from flguard.server import AttackSpec
 
     methods = [m.strip() for m in str(settings.attack_method).split(",") if m.strip()]
     counts = [int(c) for c in str(settings.attack_iterations).split(",") if c.strip()]
@@ -240,6 +245,8 @@ def build_strategy(settings: ServerSettings, task_settings: task.TaskSettings, *
                                       min_available_nodes=settings.min_nodes)
     if not settings.malicious:
         return strategy
+    from flguard.server import MaliciousServer, upload_attack_from_config
+
     dataset = task.load_dataset(task_settings.dataset)
     specs = attack_specs(settings, attack_hyperparameters(config or {}), seed=task_settings.seed)
     device = settings.attack_device
@@ -273,6 +280,8 @@ def run_server(grid: Grid, context: Context, overrides: Mapping[str, Any] | None
     model = task.make_model(task_settings)
     result = strategy.start(grid=grid, initial_arrays=task.to_arrays(model), num_rounds=settings.num_server_rounds,
                             timeout=settings.round_timeout, train_config=task_settings.train_config())
+    from flguard.server import MaliciousServer
+
     if isinstance(strategy, MaliciousServer):
         logged = strategy.strategy
         summary = {"rounds": settings.num_server_rounds, "attack_rows": len(strategy.results),

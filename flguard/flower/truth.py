@@ -1,4 +1,4 @@
-"""The simulation-only channel that hands each client's true batch to the malicious server.
+"""The client half of the simulation-only channel that hands each client's true batch to the server.
 
 Why it exists: to *score* a reconstruction (PSNR, SSIM, MSE) the simulated malicious server
 needs the batch the client really trained on. A real server never has it — that is the whole
@@ -12,8 +12,10 @@ How it works (files, never messages):
   running inside Flower's simulation runtime (a Ray actor of the Simulation Engine). Otherwise it
   does nothing. The batch never enters a ``Message``, so nothing private is added to what
   travels to the server, aggregated or logged by Flower.
-* Server side, ``TruthReader(directory, grid)`` reads those files; it refuses to exist unless the
-  ServerApp's grid is Flower's ``InMemoryGrid``, which only the simulation runtime uses.
+* Server side, ``flguard.server.truth.TruthReader(directory, grid)`` reads those files; it refuses
+  to exist unless the ServerApp's grid is Flower's ``InMemoryGrid``, which only the simulation
+  runtime uses. It lives with the server so that a client importing this module loads no server
+  code; the two halves share ``truth_path`` and the payload keys written here.
 
 Why it cannot leak in deployment: in deployment the ClientApp runs in a SuperNode (or a
 ``flwr-clientapp`` process), not in a simulation Ray actor, so ``record_batch`` writes nothing,
@@ -29,7 +31,6 @@ import os
 import sys
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,18 +46,6 @@ _CLIENT_ACTOR_CLASS = "ClientAppActor"  # flwr.simulation.ray_transport.ray_acto
 
 class TruthChannelRefused(RuntimeError):
     """The true-batch channel was requested outside Flower's simulation runtime."""
-
-
-@dataclass
-class TrueBatch:
-    """A client's true batch for one round, as its train handler recorded it."""
-
-    inputs: torch.Tensor  # model input space, [N, C, H, W]
-    labels: torch.Tensor  # [N]
-    run_id: int
-    server_round: int
-    node_id: int
-    partition_id: int
 
 
 def in_simulation_runtime() -> bool:
@@ -80,13 +69,6 @@ def in_simulation_runtime() -> bool:
         return class_name is None or str(class_name).endswith(_CLIENT_ACTOR_CLASS)
     except Exception:  # any doubt means "not simulation"
         return False
-
-
-def is_simulation_grid(grid: Any) -> bool:
-    """True when ``grid`` is the ``InMemoryGrid`` that only Flower's simulation runtime creates."""
-    from flwr.superlink.grid import InMemoryGrid
-
-    return isinstance(grid, InMemoryGrid)
 
 
 def truth_path(directory: str | os.PathLike[str], run_id: int, server_round: int, node_id: int) -> Path:
@@ -139,25 +121,3 @@ def record_batch(context: Context, server_round: int, inputs: torch.Tensor, labe
     torch.save(payload, tmp)
     os.replace(tmp, path)  # atomic: the server never reads a half-written file
     return path
-
-
-class TruthReader:
-    """Server side: read (and by default delete) the true batches the simulated clients left."""
-
-    def __init__(self, directory: str | os.PathLike[str], grid: Any, *, consume: bool = True) -> None:
-        if not is_simulation_grid(grid):
-            raise TruthChannelRefused(
-                f"the true-batch channel needs Flower's simulation runtime (InMemoryGrid); got {type(grid).__name__}")
-        self.directory = Path(directory)
-        self.consume = consume
-
-    def read(self, run_id: int, server_round: int, node_id: int) -> TrueBatch | None:
-        """The batch node ``node_id`` trained on in ``server_round``, or None when none was left."""
-        path = truth_path(self.directory, run_id, server_round, node_id)
-        if not path.exists():
-            return None
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-        if self.consume:
-            path.unlink(missing_ok=True)
-        return TrueBatch(payload["inputs"], payload["labels"], int(payload["run_id"]),
-                         int(payload["server_round"]), int(payload["node_id"]), int(payload["partition_id"]))

@@ -1,19 +1,23 @@
 """What the malicious server attacks and with what: attack specs, the real-upload mode, decoded uploads.
 
-Kept apart from the strategy wrapper (``flguard.flower.malicious``) so that it stays one concern:
-``AttackSpec`` (one attack on every chosen upload), ``UploadAttack`` (also attack honest clients'
-real multi-step FedAvg uploads, at a bounded cost) and ``delta_to_gradient`` (an uploaded model
-θK as the update θK − θ0 and the gradient an attack inverts).
+One concern, shared by the strategy wrapper (``flguard.server.strategy``, which captures uploads)
+and the attack runner (``flguard.server.runner``, which inverts them): ``AttackSpec`` (one attack
+on every chosen upload), ``UploadAttack`` (also attack honest clients' real multi-step FedAvg
+uploads, at a bounded cost), ``state_of`` (a captured model, detached from Flower's record) and
+``delta_to_gradient`` (an uploaded model θK as the update θK − θ0 and the gradient an attack
+inverts).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
+
+from flwr.app import ArrayRecord
 
 from flguard.flower.task import BATCH_SIZE_KEY, LOCAL_STEPS_KEY, LR_KEY
 
@@ -21,6 +25,7 @@ from flguard.flower.task import BATCH_SIZE_KEY, LOCAL_STEPS_KEY, LR_KEY
 # victim for (e.g. one sample, one FedSGD step) and an honest client's real upload under the task's
 # own train config.
 PROBE, UPLOAD = "probe", "fedavg-upload"
+
 
 @dataclass(frozen=True)
 class AttackSpec:
@@ -115,8 +120,12 @@ class ClientUpdate:
 # (model holding θ0, θ0 state, θK state, train config sent) -> the decoded update.
 UpdateDecoder = Callable[[nn.Module, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor], Mapping[str, Any]],
                          ClientUpdate]
-# (server round, node ids that replied) -> node ids to attack.
-TargetSelector = Callable[[int, Sequence[int]], Iterable[int]]
+
+
+def state_of(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    """A model state carried by a message, as tensors of its own: the server keeps θ0 and θK
+    after Flower has moved on (and an attack thread must never share storage with a record)."""
+    return {key: tensor.clone() for key, tensor in record.to_torch_state_dict().items()}
 
 
 def delta_to_gradient(model: nn.Module, before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor],
@@ -126,7 +135,7 @@ def delta_to_gradient(model: nn.Module, before: Mapping[str, torch.Tensor], afte
     For FedSGD (K = 1 plain SGD step) the gradient *is* the batch gradient, up to float32 rounding
     of θ. For K > 1 it is the mean of the K step gradients, i.e. approximately the gradient of the
     mean loss over all K·B samples (exact to first order in lr); attacks that unroll the K steps
-    (``local_steps`` hyperparameter, e.g. GS) get the raw update instead (see ``_attack_inputs``).
+    (``local_steps`` hyperparameter, e.g. GS) get the raw update instead (``AttackRunner.attack_inputs``).
     """
     lr = float(config.get(LR_KEY, 0.0))
     steps = int(config.get(LOCAL_STEPS_KEY, 1))

@@ -1,18 +1,22 @@
-"""Scoring and saving what the malicious server reconstructs: pixel maps, image grids, batch scores.
+"""The scorer: how close a reconstruction came to the client's true batch.
 
-Kept apart from the strategy wrapper (``flguard.flower.malicious``) because reports and tests
-use them on their own: ``score_batch`` matches a reconstructed batch to the true one (Hungarian)
-and returns PSNR/SSIM/MSE/RMSE in pixels and the RMSE in model-input units (the guard's τ units).
+``Scorer(normalization)`` holds the map from model-input space to pixels; ``Scorer.score`` (and
+``score_batch``, which reports and tests use on their own) matches a reconstructed batch to the
+true one (Hungarian) and returns PSNR/SSIM/MSE/RMSE in pixels and the RMSE in model-input units
+(the guard's τ units), per batch and per sample. Scoring needs the true batch, which only the
+simulation-only channel provides (``flguard.server.truth``): it is the part of the malicious
+server a real attacker cannot run, so it is kept apart from the attack runner.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from flguard.server.truth import TrueBatch
 
 
 def pixel_map(normalization: tuple[Sequence[float], Sequence[float]] | None
@@ -24,26 +28,9 @@ def pixel_map(normalization: tuple[Sequence[float], Sequence[float]] | None
     return lambda x: x * std.to(x) + mean.to(x)
 
 
-def finite_or_none(value: float) -> float | None:
+def finite_or_none(value: float | None) -> float | None:
+    """``value``, or None for NaN/±inf (JSON and CSV rows hold no infinities)."""
     return value if value is not None and math.isfinite(value) else None
-
-
-def save_grid(rows: Sequence[torch.Tensor], path: str | Path, min_side: int = 96) -> Path:
-    """Save image rows (pixels in [0, 1], [N, C, H, W] each) as one PNG grid, one row each.
-
-    Small images (MNIST 28 px, LFW 25 px) are enlarged by an integer factor (nearest neighbour)
-    so that each is at least ``min_side`` pixels: the grid stays faithful but readable.
-    """
-    from torchvision.utils import save_image
-
-    images = torch.cat([r.detach().cpu().float() for r in rows]).clamp(0, 1)
-    factor = max(1, -(-min_side // max(images.shape[-2:])))
-    if factor > 1:
-        images = torch.nn.functional.interpolate(images, scale_factor=factor, mode="nearest")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_image(images, path, nrow=rows[0].shape[0], padding=2, pad_value=1.0)
-    return path
 
 
 def score_batch(truth: torch.Tensor, images: torch.Tensor, to_pixels: Callable[[torch.Tensor], torch.Tensor],
@@ -78,3 +65,16 @@ def score_batch(truth: torch.Tensor, images: torch.Tensor, to_pixels: Callable[[
     if true_labels is not None and labels is not None and labels.numel() == true_labels.numel():
         out["label_accuracy"] = float((labels.cpu().view(-1)[permutation] == true_labels.view(-1)).double().mean())
     return out
+
+
+class Scorer:
+    """Scores reconstructions in one task's units (``normalization``: the inputs' (mean, std), or
+    None for inputs that already are pixels in [0, 1])."""
+
+    def __init__(self, normalization: tuple[Sequence[float], Sequence[float]] | None = None) -> None:
+        self.normalization = normalization
+        self.to_pixels = pixel_map(normalization)
+
+    def score(self, truth: TrueBatch, images: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+        """``score_batch`` of ``images`` against the true batch (see there), ``labels`` the recovered ones."""
+        return score_batch(truth.inputs, images, self.to_pixels, truth.labels, labels)

@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--defenses", nargs="+", default=["gaussian", "eigen"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rtol", type=float, default=None, help="GuardConfig.rtol (default: the config's)")
+    parser.add_argument("--krylov-steps", type=int, default=None, help="GuardConfig.krylov_steps (eigen)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -114,6 +115,8 @@ def main() -> None:
     for defense in args.defenses:
         plain, _ = run_round(copy.deepcopy(base), rnd, args.lr)
         extra = {} if args.rtol is None else {"rtol": args.rtol}
+        if args.krylov_steps is not None:
+            extra["krylov_steps"] = args.krylov_steps
         guard = Guard(GuardConfig(defense=defense, min_rmse=args.tau, seed=0, max_rel_noise=1e9, **extra))
         for key in COUNTS:
             COUNTS[key] = 0
@@ -125,7 +128,8 @@ def main() -> None:
         print(f"{defense:<9} {plain:>8.2f} {guarded:>10.2f} {guarded / plain:>8.1f} {plain / n * 1e3:>8.1f} "
               f"{guard_ms:>13.0f} {products:>9.0f} {lz:>8.0f} {cg:>6.0f} {products - lz - cg:>6.0f} "
               f"{guard_ms / max(products, 1):>8.2f} {COUNTS['lanczos_s']:>9.1f} {COUNTS['cg_s']:>6.1f} "
-              f"{sum(bool(r.met) for r in reports)}/{n}")
+              f"{sum(bool(r.met) for r in reports)}/{n}  rel_noise median "
+              f"{sorted(r.rel_noise for r in reports)[n // 2]:.3g}")
 
 
 if __name__ == "__main__":

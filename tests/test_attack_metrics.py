@@ -1,6 +1,7 @@
 """Image metrics against hand-computed values and an independent SSIM (scikit-image)."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -67,13 +68,48 @@ def test_hungarian_recovers_permutation_and_scores_matched():
     assert float(unmatched["psnr"].mean()) < 15
 
 
-def test_lpips_reports_absence_clearly():
+def test_lpips_without_local_weights_says_why_and_is_never_scored(tmp_path, monkeypatch):
+    """An empty hub cache (whatever this machine holds): the status names the missing file, LPIPS
+    raises instead of scoring, and ``score`` leaves it out unless it is asked for."""
+    monkeypatch.setattr(torch.hub, "_hub_dir", str(tmp_path))
     status = metrics.lpips_status()
-    assert status == "available" or status.startswith("absent:")
-    if status != "available":
-        with pytest.raises(RuntimeError, match="absent"):
-            metrics.lpips(torch.rand(1, 1, 32, 32), torch.rand(1, 1, 32, 32))
-        assert "lpips" not in metrics.score(torch.rand(2, 1, 8, 8), torch.rand(2, 1, 8, 8))
+    assert status.startswith("absent:") and str(tmp_path) in status and "never downloads" in status
+    a, b = torch.rand(2, 1, 8, 8), torch.rand(2, 1, 8, 8)
+    with pytest.raises(RuntimeError, match="absent"):
+        metrics.lpips(a, b)
+    assert "lpips" not in metrics.score(a, b)
+    with pytest.raises(RuntimeError, match="absent"):
+        metrics.score(a, b, with_lpips=True)
+
+
+def test_lpips_with_local_weights_feeds_the_network_and_scores_matched_pairs(tmp_path, monkeypatch):
+    """Weights in the cache: ``score`` includes LPIPS by default, on the Hungarian-matched pairs, and
+    the network sees what it expects — 3 channels in [−1, 1] whatever ``data_range``. AlexNet's
+    weights cannot be downloaded here, so the network is a stand-in that records its inputs."""
+    monkeypatch.setattr(torch.hub, "_hub_dir", str(tmp_path))
+    checkpoint = Path(metrics._alexnet_checkpoint())
+    assert checkpoint.is_relative_to(tmp_path)
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.touch()
+    assert metrics.lpips_status() == "available"
+    seen = []
+
+    def network(x, y):  # LPIPS's call: (images, images) in [−1, 1] -> distances [N, 1, 1, 1]
+        seen.append((x, y))
+        return (x - y).abs().flatten(1).mean(1).view(-1, 1, 1, 1)
+
+    monkeypatch.setattr(metrics, "_lpips_net", lambda device: network)
+    gen = torch.Generator().manual_seed(0)
+    originals = torch.rand(3, 1, 8, 8, generator=gen) * 255
+    distances = metrics.lpips(originals.flip(0), originals, data_range=255.0)
+    x, y = seen[-1]
+    assert x.shape == (3, 3, 8, 8) and float(x.min()) >= -1 and float(x.max()) <= 1
+    torch.testing.assert_close(y[:, :1], originals / 127.5 - 1)
+    assert distances.shape == (3,) and float(distances[1]) == 0.0 and float(distances[0]) > 0  # middle one is equal
+
+    shuffled = originals[torch.tensor([2, 0, 1])]
+    scores = metrics.score(shuffled, originals, data_range=255.0)
+    assert "lpips" in scores and torch.equal(scores["lpips"], torch.zeros(3))  # matched: identical pairs
 
 
 def test_shape_mismatch_is_an_error():

@@ -23,8 +23,9 @@ from flguard.guard_config import GuardConfig
 #: Defenses the guard implements (``guard-*`` run-config keys); ``localdp`` is Flower's LocalDpMod.
 GUARD_DEFENSES = ("none", "gaussian", "eigen", "fixed-gaussian", "pruning")
 LOCALDP_FIELDS = ("clipping_norm", "sensitivity", "epsilon", "delta")
-GUARD_FIELDS = ("min_rmse", "eps_mode", "eps", "max_rel_noise", "on_unmet", "seed", "subspace_size", "krylov_steps",
-                "rtol", "sigma", "keep_ratio", "input_bounds", "gaussian_floor")
+GUARD_FIELDS = ("min_rmse", "max_psnr", "pixel_mean", "pixel_std", "clip_per_sample", "eps_mode", "eps", "max_rel_noise",
+                "on_unmet", "seed", "subspace_size", "krylov_steps", "rtol", "sigma", "keep_ratio", "input_bounds",
+                "gaussian_floor")
 #: The config shipped as ``flguard demo``.
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "simulations" / "default.toml"
 
@@ -43,6 +44,10 @@ class TaskSection(StrictModel):
     local_steps: int = Field(1, ge=1, description="guarded SGD steps per round")
     batch_size: int = Field(8, ge=1)
     lr: float = Field(0.1, gt=0.0)
+    public_examples: int = Field(0, ge=0, description="examples held out as the server's public data (in no "
+                                                      "client's partition)")
+    pretrain_epochs: int = Field(0, ge=0, description="epochs the server pre-trains the initial model on its public "
+                                                      "data (a warm start: FL from a model that has learned)")
 
     @field_validator("model")
     @classmethod
@@ -104,6 +109,11 @@ class DefenseSpec(StrictModel):
     defense: Literal["none", "gaussian", "eigen", "fixed-gaussian", "pruning", "localdp"]
     # GuardConfig fields (validated by GuardConfig itself)
     min_rmse: float | None = None
+    max_psnr: float | None = Field(None, description="the floor in pixel PSNR (dB); the dataset's normalisation "
+                                                     "fills pixel_mean/pixel_std unless given")
+    pixel_mean: float | None = None
+    pixel_std: float | None = None
+    clip_per_sample: float | None = None
     eps_mode: str | None = None
     eps: float | None = None
     max_rel_noise: float | None = None
@@ -137,8 +147,9 @@ class DefenseSpec(StrictModel):
         else:
             if dp_values:
                 raise ValueError(f"{', '.join(dp_values)} belong to defense 'localdp', not {self.defense!r}")
-            if self.defense != "none":
-                GuardConfig(defense=self.defense, **guard_values)
+            if self.defense != "none":  # a PSNR floor's normalisation comes from the dataset (run_config)
+                stand_in = {"pixel_mean": 0.0, "pixel_std": 1.0} if self.max_psnr is not None else {}
+                GuardConfig(defense=self.defense, **{**stand_in, **guard_values})
         return self
 
 
@@ -178,6 +189,7 @@ class CompareConfig(StrictModel):
             "seed": self.seed, "num-partitions": task.clients, "partitioning": task.partitioning,
             "alpha": task.alpha, "test-fraction": task.test_fraction, "lr": task.lr,
             "local-steps": task.local_steps, "batch-size": task.batch_size, "min-nodes": task.clients,
+            "public-examples": task.public_examples, "pretrain-epochs": task.pretrain_epochs,
             "round-timeout": self.round_timeout, "malicious": True,
             "attack-method": ",".join(attack.methods), "attack-iterations": ",".join(map(str, attack.counts)),
             "attack-restarts": attack.restarts, "attack-labels": attack.labels,
@@ -195,8 +207,24 @@ class CompareConfig(StrictModel):
             config.update({f"localdp-{k.replace('_', '-')}": v for k, v in spec.values(LOCALDP_FIELDS).items()})
         elif spec.defense != "none":
             config["guard-defense"] = spec.defense
-            config.update({f"guard-{k.replace('_', '-')}": v for k, v in spec.values(GUARD_FIELDS).items()})
+            config.update({f"guard-{k.replace('_', '-')}": v for k, v in self.guard_values(spec).items()})
         return config
+
+    def guard_values(self, spec: DefenseSpec) -> dict[str, Any]:
+        """The defense's GuardConfig fields; a PSNR floor gets the task dataset's own normalisation
+        (the one the clients' inputs went through) unless the config gives it."""
+        values = spec.values(GUARD_FIELDS)
+        if spec.max_psnr is not None and (spec.pixel_mean is None or spec.pixel_std is None):
+            from flguard.flower.task import load_dataset
+
+            dataset = load_dataset(self.task.dataset)
+            if len(dataset.std) != 1:
+                raise ConfigError(f"CompareConfig.defenses[{spec.name}]: max_psnr on the {len(dataset.std)}-channel "
+                                  f"dataset {self.task.dataset!r} needs pixel_mean and pixel_std given per channel "
+                                  "in code (the run config carries scalars)")
+            values.setdefault("pixel_mean", float(dataset.mean[0]))
+            values.setdefault("pixel_std", float(dataset.std[0]))
+        return values
 
     def fingerprint(self, spec: DefenseSpec) -> str:
         """A hash of everything that defines one defense's run (a changed config is rerun)."""

@@ -135,8 +135,8 @@ def tau_of(config: CompareConfig, name: str) -> float | None:
     from flguard.guard_config import GuardConfig, THRESHOLD_DEFENSES
 
     spec = config.defense(name)
-    if spec.defense in THRESHOLD_DEFENSES:
-        return spec.min_rmse if spec.min_rmse is not None else GuardConfig().min_rmse
+    if spec.defense in THRESHOLD_DEFENSES:  # τ in input units, also for a floor given as max_psnr
+        return GuardConfig(defense=spec.defense, **config.guard_values(spec)).floor
     taus = [tau_of(config, d.name) for d in config.defenses if d.defense in THRESHOLD_DEFENSES]
     return max(taus) if taus else None
 

@@ -277,7 +277,7 @@ def run_server(grid: Grid, context: Context, overrides: Mapping[str, Any] | None
         partitions = discover_partitions(grid, settings.min_nodes, timeout=settings.round_timeout)
         targets = rotating_targets(partitions, max(1, settings.attack_targets))
     strategy = build_strategy(settings, task_settings, config=config, targets=targets, on_event=on_event)
-    model = task.make_model(task_settings)
+    model = task.initial_model(task_settings)
     result = strategy.start(grid=grid, initial_arrays=task.to_arrays(model), num_rounds=settings.num_server_rounds,
                             timeout=settings.round_timeout, train_config=task_settings.train_config())
     from flguard.server import MaliciousServer

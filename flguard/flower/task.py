@@ -80,6 +80,8 @@ class TaskSettings:
     lr: float = 0.1
     local_steps: int = 1
     batch_size: int = 4
+    public_examples: int = 0  # >0: this many examples are the server's public data, in no client's partition
+    pretrain_epochs: int = 0  # >0: the initial global model is trained on the public data first (warm start)
 
     @classmethod
     def from_config(cls, *configs: Mapping[str, Any] | None) -> "TaskSettings":
@@ -109,9 +111,20 @@ def load_dataset(name: str) -> ImageDataset:
     return load(name)
 
 
+def public_indices(name: str, count: int, seed: int) -> np.ndarray:
+    """The server's public examples: ``count`` indices of a seeded permutation (none when 0)."""
+    order = np.random.default_rng(seed).permutation(len(load_dataset(name)))
+    return np.sort(order[:count])
+
+
 @functools.lru_cache(maxsize=16)
-def _partitions(name: str, num_partitions: int, method: str, alpha: float, seed: int) -> tuple[np.ndarray, ...]:
-    return tuple(partition(load_dataset(name).labels.numpy(), num_partitions, method=method, alpha=alpha, seed=seed))
+def _partitions(name: str, num_partitions: int, method: str, alpha: float, seed: int,
+                public: int = 0) -> tuple[np.ndarray, ...]:
+    """Client partitions of the dataset without its public examples (indices into the whole dataset)."""
+    labels = load_dataset(name).labels.numpy()
+    private = np.setdiff1d(np.arange(len(labels)), public_indices(name, public, seed))
+    parts = partition(labels[private], num_partitions, method=method, alpha=alpha, seed=seed)
+    return tuple(private[np.asarray(p, dtype=np.int64)] for p in parts)
 
 
 def load_partition(settings: TaskSettings, partition_id: int, num_partitions: int | None = None
@@ -120,7 +133,8 @@ def load_partition(settings: TaskSettings, partition_id: int, num_partitions: in
     count = int(num_partitions or settings.num_partitions)
     if not 0 <= partition_id < count:
         raise ValueError(f"partition-id={partition_id} must lie in [0, {count}) (num-partitions={count})")
-    parts = _partitions(settings.dataset, count, settings.partitioning, settings.alpha, settings.seed)
+    parts = _partitions(settings.dataset, count, settings.partitioning, settings.alpha, settings.seed,
+                        settings.public_examples)
     return load_dataset(settings.dataset).subset(parts[partition_id]).split(settings.test_fraction,
                                                                            seed=settings.seed)
 
@@ -138,6 +152,27 @@ def make_model(settings: TaskSettings) -> nn.Module:
         torch.manual_seed(settings.seed)
         return create(settings.model, in_channels=channels, num_classes=dataset.num_classes,
                       image_size=size, init=settings.init)
+
+
+def initial_model(settings: TaskSettings) -> nn.Module:
+    """The server's initial global model: ``make_model``, warm-started on the public examples when
+    ``public_examples`` and ``pretrain_epochs`` are set (Adam, lr 1e-3, batches of 32, seeded) —
+    FL from a model pre-trained on public data, so the federated rounds start where the model has
+    learned. No client data is used."""
+    model = make_model(settings)
+    if settings.public_examples <= 0 or settings.pretrain_epochs <= 0:
+        return model
+    data = load_dataset(settings.dataset).subset(public_indices(settings.dataset, settings.public_examples,
+                                                                settings.seed))
+    generator = torch.Generator().manual_seed(settings.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model.train()
+    for _ in range(settings.pretrain_epochs):
+        for index in torch.randperm(len(data), generator=generator).split(32):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(data.normalize(data.images[index])), data.labels[index]).backward()
+            optimizer.step()
+    return model
 
 
 def to_arrays(model: nn.Module) -> ArrayRecord:

@@ -1,0 +1,34 @@
+"""The server's public split and warm start: no client example is public, and the initial model is
+trained on the public examples only."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from flguard.flower import task
+
+
+def test_public_examples_are_in_no_partition_and_the_rest_is_covered():
+    settings = task.TaskSettings(dataset="digits", num_partitions=3, partitioning="dirichlet", public_examples=300)
+    public = task.public_indices("digits", 300, settings.seed)
+    parts = task._partitions("digits", 3, "dirichlet", 0.5, settings.seed, 300)
+    private = np.concatenate(parts)
+    assert len(public) == 300 and len(np.unique(public)) == 300
+    assert len(np.intersect1d(public, private)) == 0
+    assert len(private) == len(np.unique(private)) == len(task.load_dataset("digits")) - 300
+    for pid in range(3):  # what a client loads is its partition, split into train and test
+        train, test = task.load_partition(settings, pid, 3)
+        assert len(train) + len(test) == len(parts[pid])
+
+
+def test_initial_model_is_pretrained_on_public_data_only_and_reproducibly():
+    base = dict(dataset="digits", model="mlp", num_partitions=2, public_examples=400)
+    cold = task.initial_model(task.TaskSettings(**base))
+    warm = task.initial_model(task.TaskSettings(**base, pretrain_epochs=3))
+    again = task.initial_model(task.TaskSettings(**base, pretrain_epochs=3))
+    for a, b in zip(warm.state_dict().values(), again.state_dict().values()):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(cold.state_dict().values(), warm.state_dict().values()))
+    _, test = task.load_partition(task.TaskSettings(**base), 0, 2)  # a client's held-out data
+    assert task.evaluate_model(warm, test)[1] > task.evaluate_model(cold, test)[1] + 0.3

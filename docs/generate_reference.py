@@ -224,11 +224,14 @@ API: list[tuple[str, str, list[str]]] = [
                                      "conjugate_gradient"]),
     ("flguard.attacks", "Attacks", ["reconstruct", "Reconstruction", "hyperparameters_of", "methods",
                                     "recover_labels"]),
-    ("flguard.flower", "Flower integration", [
+    ("flguard.flower", "Flower integration, client side", [
         "guard_mod", "guard_mod_from_run_config", "weaker_fields", "client_minimum", "guard_step", "round_metrics",
-        "GuardDropped", "GuardedNumPyClient",
-        "UnguardedUpdate", "MaliciousServer", "AttackSpec", "ClientUpdate", "delta_to_gradient", "every_client",
-        "first_clients", "record_batch", "TruthReader", "TruthChannelRefused", "in_simulation_runtime"]),
+        "GuardDropped", "GuardedNumPyClient", "UnguardedUpdate", "record_batch", "TruthChannelRefused",
+        "in_simulation_runtime"]),
+    ("flguard.server", "The malicious server", [
+        "MaliciousServer", "AttackSpec", "UploadAttack", "ClientUpdate", "delta_to_gradient",
+        "upload_attack_from_config", "every_client", "first_clients", "honest_targets", "AttackRunner",
+        "CapturedUpload", "Scorer", "score_batch", "ResultWriter", "save_grid", "TruthReader", "TrueBatch"]),
     ("flguard.flower.apps", "The apps every run uses", ["make_client_app", "make_server_app", "config_mods",
                                                         "run_server"]),
     ("flguard.flower.dp", "Flower's LocalDpMod, measured", ["LocalDpConfig", "localdp_mod_from_config",
@@ -248,6 +251,10 @@ METHODS = {
     "Guard": ["protect"],
     "GuardedOptimizer": ["step"],
     "MaliciousServer": ["start", "flush", "close", "attack_upload"],
+    "AttackRunner": ["specs", "submit", "run", "flush", "close", "attack_inputs"],
+    "Scorer": ["score"],
+    "ResultWriter": ["save", "append"],
+    "TruthReader": ["read"],
     "CompareConfig": ["defense", "run_config", "fingerprint"],
 }
 

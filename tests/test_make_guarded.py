@@ -182,3 +182,21 @@ def test_without_a_config_it_needs_the_flower_mod():
     criterion(model(x), y).backward()
     with pytest.raises(GuardMisuse, match="guard_mod"):
         optimizer.step()
+
+
+def test_per_sample_clipping_and_a_psnr_floor_work_through_the_drop_in():
+    """With clip_per_sample the step applies the clipped mean gradient plus the guard's noise."""
+    model = tiny_cnn()
+    config = GuardConfig(defense="eigen", max_psnr=20.0, pixel_mean=0.5, pixel_std=0.5, clip_per_sample=0.5,
+                         max_rel_noise=50.0, subspace_size=4, krylov_steps=8, seed=0)
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=1.0),
+                                               nn.CrossEntropyLoss(), config)
+    x, y = batch()
+    theta0 = flat_params(model)
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()
+    report = optimizer.guard_reports[-1]
+    assert report.met, report.reason
+    applied = theta0 - flat_params(model)
+    assert float(applied.norm()) <= 0.5 + report.noise_norm + 1e-9  # ‖clipped mean‖ ≤ C, plus the noise

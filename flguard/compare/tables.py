@@ -39,7 +39,7 @@ SUMMARY_COLUMNS = ("defense", "kind", "tau", "rounds", "final_accuracy", "final_
                    "mean_rel_noise", "mean_noise_norm", "guard_overhead", "guard_seconds", "train_seconds",
                    "dropped_updates", "run_seconds", "probe_attacks", "probe_tau_met_share", "upload_attacks",
                    "upload_attack_psnr_best", "upload_attack_rmse_min", "upload_tau_met_share")
-PROBE, UPLOAD = "probe", "fedavg-upload"  # the values of attack_target (flguard.flower.malicious)
+PROBE, UPLOAD = "probe", "fedavg-upload"  # the values of attack_target (flguard.server.uploads)
 
 
 def _number(value: Any) -> float | None:

@@ -8,7 +8,7 @@ threat model assumes (DESIGN.md §2).
 
 Local training is plain SGD without momentum or weight decay, so one local step satisfies
 ``θ1 = θ0 − lr · g`` exactly and the server can turn an uploaded model into the batch gradient
-``g = (θ0 − θ1) / lr`` (see ``flguard.flower.malicious.delta_to_gradient``).
+``g = (θ0 − θ1) / lr`` (see ``flguard.server.delta_to_gradient``).
 """
 
 from __future__ import annotations

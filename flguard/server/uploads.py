@@ -15,9 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch import nn
-
 from flwr.app import ArrayRecord
+from torch import nn
 
 from flguard.flower.task import BATCH_SIZE_KEY, LOCAL_STEPS_KEY, LR_KEY
 

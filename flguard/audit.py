@@ -15,6 +15,7 @@ import torch
 from flguard.data import load
 from flguard.models import create
 from flguard.risk import assess
+from flguard.risk.closed_forms import to_rmse, unit_noise_i2f_lb
 
 AUDIT_METRICS = ("grad_norm", "lambda_max", "lambda_min", "jacobian_fro2", "lavp_cos_max", "lavp_cos_min",
                  "lavp_fusion")
@@ -26,11 +27,6 @@ class AuditRow:
     index: int
     label: str
     values: dict[str, float]
-
-
-def unit_noise_i2f_lb(jacobian_fro2: torch.Tensor, lambda_max: torch.Tensor) -> torch.Tensor:
-    """√E[I_lb²] for δ ~ N(0, I): ‖J‖_F / λmax — the lower-bound recovery error per unit of σ."""
-    return jacobian_fro2.sqrt() / lambda_max
 
 
 def audit(model_name: str, dataset: str, *, samples: int = 64, inits: Iterable[str] = ("uniform",),
@@ -55,7 +51,7 @@ def audit(model_name: str, dataset: str, *, samples: int = 64, inits: Iterable[s
             rep = assess(model, data.normalize(data.images[index]), data.labels[index], metrics=AUDIT_METRICS,
                          rtol=rtol, seed=seed)
             unit = unit_noise_i2f_lb(rep.jacobian_fro2, rep.lambda_max)
-            extra = {"i2f_lb_unit": unit, "pred_rmse": sigma * unit / data.images[0].numel() ** 0.5}
+            extra = {"i2f_lb_unit": unit, "pred_rmse": to_rmse(sigma * unit, data.images[0].numel())}
             for k, sample in enumerate(index.tolist()):
                 values = {name: float(v[k]) for name, v in {**rep.metrics(), **extra}.items()}
                 rows.append(AuditRow(init, sample, data.classes[int(data.labels[sample])], values))

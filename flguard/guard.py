@@ -22,8 +22,9 @@ from flguard.defenses.gaussian import gaussian_direction
 from flguard.guard_config import THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard_report import GuardOutput, GuardReport
 from flguard.risk.assess import i2f_norms, i2f_solve
-from flguard.risk.lanczos import lanczos
-from flguard.risk.operator import ClippedJacobian, JacobianOperator, LossFn
+from flguard.risk.closed_forms import from_rmse, i2f_lower_bound, to_rmse
+from flguard.risk.operator import ClippedJacobian, Jacobian, JacobianOperator, LossFn
+from flguard.risk.regularised import RegularisedK
 
 
 class GuardFailure(RuntimeError):
@@ -61,7 +62,7 @@ class Guard:
         start = time.perf_counter()
         cfg = self.config
         batch = int(x.shape[0])
-        op: JacobianOperator | None = None
+        op: Jacobian | None = None
         try:
             flat = _checked_gradient(gradient, model)
             op = JacobianOperator(model, x, y, loss_fn)
@@ -83,30 +84,28 @@ class Guard:
         return self._apply_policy(flat, gradient, report, start)
 
     # -- measuring and perturbing -----------------------------------------------------------
-    def _perturb(self, op: JacobianOperator, flat: torch.Tensor) -> _Outcome:
+    def _perturb(self, op: Jacobian, flat: torch.Tensor) -> _Outcome:
         cfg = self.config
         generator = self._generator(flat.device)
         eigen = cfg.defense == "eigen"
         lanczos_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=flat.device))
-        spectrum = lanczos(lambda q: op.kmv(q.unsqueeze(1)).squeeze(1), op.batch_size, op.dx, like=op.x,
-                           rtol=cfg.rtol, ends="max", min_iter=cfg.krylov_steps if eigen else 0,
-                           return_vectors=eigen, seed=lanczos_seed)
+        spectrum = RegularisedK(op).lanczos(rtol=cfg.rtol, ends="max", min_iter=cfg.krylov_steps if eigen else 0,
+                                            return_vectors=eigen, seed=lanczos_seed)
         if not bool(spectrum.converged.all()):
             raise GuardFailure("λmax did not converge within the Lanczos limit")
         lambda_max = spectrum.lambda_max
         eps = cfg.eps * lambda_max if cfg.eps_mode == "relative" else torch.full_like(lambda_max, cfg.eps)
-        ctx = DefenseContext(op, flat, eps, lambda_max, generator, cfg, {"spectrum": spectrum})
+        ctx = DefenseContext(op, flat, eps, lambda_max, generator, cfg, spectrum=spectrum)
         if cfg.defense in THRESHOLD_DEFENSES:
             return self._meet_floor(ctx)
         noise = BASELINES[cfg.defense](ctx) - flat
         i2f, jd, converged = i2f_norms(op, noise, eps, cfg.rtol) if noise.any() else _zeros(op, flat)
         if not bool(converged.all()):
             raise GuardFailure("I2F solve did not converge")
-        root = op.dx ** 0.5
-        rmse = i2f / root
+        rmse = to_rmse(i2f, op.dx)
         met = bool((rmse >= cfg.floor).all())
-        info = {k: v for k, v in ctx.info.items() if k != "spectrum"}
-        return _Outcome(noise, rmse, jd / lambda_max / root, eps, met, "" if met else "baseline misses min_rmse", info)
+        return _Outcome(noise, rmse, _rmse_lb(jd, lambda_max, op.dx), eps, met,
+                        "" if met else "baseline misses min_rmse", dict(ctx.info))
 
     def _meet_floor(self, ctx: DefenseContext) -> _Outcome:
         """Scale the defense's direction d so that every sample's I2F RMSE ≥ τ.
@@ -118,7 +117,6 @@ class Guard:
         ``input_bounds`` the promise is about clip(x + c·Δx) − x instead (``_box_scale``).
         """
         cfg, op = self.config, ctx.op
-        root = op.dx ** 0.5
         direction = DIRECTIONS[cfg.defense](ctx)
         if cfg.floor == 0:
             zeros = torch.zeros(op.batch_size, dtype=op.dtype, device=op.device)
@@ -137,21 +135,21 @@ class Guard:
             info["rmse_gaussian_part"] = rmse_z
         scale, rmse, reachable = self._fit(op.x, shift, cfg.floor, budget / max(float(vector.norm()), 1e-30),
                                            at_least=1.0 if floor > 0 else 0.0)
-        info["rmse_unbounded"] = shift.norm(dim=1) * scale / root
+        info["rmse_unbounded"] = to_rmse(shift.norm(dim=1) * scale, op.dx)
         noise = vector * scale
         jd = op.j(noise.expand(op.batch_size, 1, -1)).squeeze(1).norm(dim=1) if floor > 0 else unit_jd * scale
         info = {"scale": float(scale), **_summaries({**direction.info, **info})}
         if reachable and not bool((rmse >= cfg.floor * (1 + cfg.rtol)).all()):  # non-finite arithmetic
             raise GuardFailure("the floor could not be verified on the realised noise")
         if not reachable or float(noise.norm()) > budget:
-            return _Outcome(noise, rmse, jd / ctx.lambda_max / root, ctx.eps, False,
+            return _Outcome(noise, rmse, _rmse_lb(jd, ctx.lambda_max, op.dx), ctx.eps, False,
                             f"the floor τ={cfg.floor:.4g} needs noise {float(noise.norm()):.4g} = "
                             + (f"{float(noise.norm()) / cfg.clip_per_sample:.3g}× the clipping norm C"
                                if cfg.clip_per_sample is not None else
                                f"{float(noise.norm()) / max(float(ctx.gradient.norm()), 1e-30):.3g}× the gradient norm")
                             + f"{'' if reachable else ' or more (input_bounds clip the predicted error)'}; "
                             f"budget max_rel_noise={cfg.max_rel_noise}", info)
-        return _Outcome(noise, rmse, jd / ctx.lambda_max / root, ctx.eps, True, "", info)
+        return _Outcome(noise, rmse, _rmse_lb(jd, ctx.lambda_max, op.dx), ctx.eps, True, "", info)
 
     def _solve(self, ctx: DefenseContext, vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """I2F's shift (K_i+εI)⁻¹J_i·vector [B, dx] and ‖J_i·vector‖, checked."""
@@ -167,11 +165,11 @@ class Guard:
         """(c ≥ at_least, RMSE per sample of c·shift, reachable within scale ``limit``): the smallest
         scale at which every sample's predicted RMSE reaches τ — the I2F RMSE ‖c·Δx‖/√dx, aimed at
         τ(1 + 2·rtol), or with ``input_bounds`` the clipped one (``_box_scale``)."""
-        cfg, root = self.config, shift.shape[1] ** 0.5
+        cfg, dx = self.config, shift.shape[1]
         unit = shift.norm(dim=1)
-        linear = max(tau * (1 + 2 * cfg.rtol) * root / float(unit.min()), at_least)
+        linear = max(from_rmse(tau * (1 + 2 * cfg.rtol), dx) / float(unit.min()), at_least)
         if cfg.bounds is None:  # the budget is checked on the final noise
-            return linear, unit * linear / root, True
+            return linear, to_rmse(unit * linear, dx), True
         low, high = _bounds(cfg.bounds, x)
         return _box_scale(x, shift, low, high, tau, cfg.rtol, linear, max(limit, linear))
 
@@ -194,11 +192,11 @@ class Guard:
         report.seconds = time.perf_counter() - start
         return GuardOutput(None, report)
 
-    def _failed(self, gradient: torch.Tensor, batch: int, reason: str, op: JacobianOperator | None,
+    def _failed(self, gradient: torch.Tensor, batch: int, reason: str, op: Jacobian | None,
                 start: float) -> GuardOutput:
         nan = torch.full((batch,), float("nan"))
-        report = GuardReport(rmse_before=torch.zeros(batch), rmse_after=nan, rmse_lb_after=nan, eps=nan, noise_norm=0.0,
-                             rel_noise=0.0, met=False, defense=self.config.defense, reason=reason,
+        report = GuardReport(rmse_before=torch.zeros(batch), rmse_after=nan, rmse_lb_after=nan, eps=nan, noise_norm=0.0, rel_noise=0.0, met=False,
+                             defense=self.config.defense, reason=reason,
                              matvecs=op.applications if op is not None else 0, seconds=0.0,
                              min_rmse=self.config.floor)
         finite = isinstance(gradient, torch.Tensor) and bool(torch.isfinite(gradient).all())
@@ -270,12 +268,12 @@ def _box_scale(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: to
     τ(1 + rtol) (aimed at τ(1 + 2·rtol)). Returns (c, r̃(c) per sample, reachable within ``limit``);
     the returned c always satisfies the bound when reachable (bisection keeps a verified upper end).
     """
-    root = shift.shape[1] ** 0.5
+    dx = shift.shape[1]
     delta = shift.view_as(x)
-    slack = rtol * shift.norm(dim=1) / root
+    slack = to_rmse(rtol * shift.norm(dim=1), dx)
 
     def clipped(c: float) -> torch.Tensor:
-        return (torch.clamp(x + c * delta, low, high) - x).flatten(1).norm(dim=1) / root
+        return to_rmse((torch.clamp(x + c * delta, low, high) - x).flatten(1).norm(dim=1), dx)
 
     def worst(c: float) -> float:
         return float((clipped(c) - c * slack).min())
@@ -299,7 +297,12 @@ def _box_scale(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: to
     return hi, clipped(hi), True
 
 
-def _zeros(op: JacobianOperator, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rmse_lb(jd_norm: torch.Tensor, lambda_max: torch.Tensor, dx: int) -> torch.Tensor:
+    """The lower bound's RMSE ‖J_iδ‖/(λmax√dx) per sample, the guard's ``rmse_lb_after``."""
+    return to_rmse(i2f_lower_bound(jd_norm, lambda_max), dx)
+
+
+def _zeros(op: Jacobian, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     zeros = torch.zeros(op.batch_size, dtype=flat.dtype, device=flat.device)
     return zeros, zeros, torch.ones(op.batch_size, dtype=torch.bool, device=flat.device)
 

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from flguard.config import StrictModel
-from flguard.risk.assess import DEFAULT_EPS_RELATIVE
+from flguard.risk.defaults import DEFAULT_EPS_RELATIVE
 
 DEFENSES = ("none", "gaussian", "eigen", "fixed-gaussian", "pruning", "localdp")
 #: Defenses that promise a per-sample floor (the others are baselines reported honestly).

@@ -8,7 +8,6 @@ from torch import nn
 
 from flguard import Guard, GuardConfig
 from flguard.config import ConfigError
-from flguard.defenses.eigen import regularised_gain
 from risk_reference import dense_jacobians
 
 TAU = 0.05
@@ -57,7 +56,8 @@ def test_eigen_needs_less_noise_than_gaussian_and_nears_the_single_direction_lim
         ratios.append(eigen.noise_norm / gauss.noise_norm)
     ratio = sum(ratios) / len(ratios)
     lam = torch.linalg.eigvalsh(jac @ jac.transpose(1, 2))
-    gain = regularised_gain(lam, 1e-2 * lam[:, -1:])
+    lam = lam.clamp_min(0)
+    gain = lam.sqrt() / (lam + 1e-2 * lam[:, -1:])  # √λ/(λ+ε), written out (not the code under test)
     # Single best direction vs isotropic noise at equal I2F, for the hardest sample.
     limit = float((gain.pow(2).sum(1).sqrt() / (gain.max(1).values * jac.shape[2] ** 0.5)).max())
     assert ratio < 0.6, ratio
@@ -88,16 +88,16 @@ def test_nan_gradient_is_dropped_under_every_policy():
 
 
 def test_solver_failure_fails_closed(monkeypatch):
-    import flguard.guard as guard_module
+    from flguard.risk.regularised import RegularisedK
 
-    real = guard_module.lanczos
+    real = RegularisedK.lanczos
 
-    def not_converging(*args, **kwargs):
-        result = real(*args, **kwargs)
+    def not_converging(self, **kwargs):
+        result = real(self, **kwargs)
         result.converged = torch.zeros_like(result.converged)
         return result
 
-    monkeypatch.setattr(guard_module, "lanczos", not_converging)
+    monkeypatch.setattr(RegularisedK, "lanczos", not_converging)
     model, x, y, _, g = _problem(2)
     out = Guard(GuardConfig(defense="eigen")).protect(model, x, y, g)
     assert out.gradient is None and not out.report.met and "converge" in out.report.reason

@@ -37,9 +37,10 @@ from flguard.attacks.base import Reconstruction, methods, register
 from flguard.attacks.gs import pick_best
 from flguard.attacks.objectives import (MATCHING_DISTANCES, GradientObserver, LossFn, project_out,
                                         project_target)
-from flguard.risk.assess import DEFAULT_EPS_RELATIVE
-from flguard.risk.lanczos import lanczos
+from flguard.risk.closed_forms import regularised_gain
+from flguard.risk.defaults import DEFAULT_EPS_RELATIVE
 from flguard.risk.operator import JacobianOperator
+from flguard.risk.regularised import RegularisedK
 
 BASES = ("gs", "dlg")
 SELECTIONS = ("gain", "smallest")
@@ -62,11 +63,10 @@ def weak_subspace(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, loss_
         raise ValueError(f"size={size} and krylov_steps={krylov_steps} must be >= 1, eps={eps} >= 0")
     op = JacobianOperator(model, x, labels, loss_fn)
     steps = min(krylov_steps, op.dx)
-    spectrum = lanczos(lambda q: op.kmv(q.unsqueeze(1)).squeeze(1), op.batch_size, op.dx, like=op.x,
-                       ends="max", min_iter=steps, max_iter=steps, return_vectors=True, seed=seed)
+    spectrum = RegularisedK(op).lanczos(ends="max", min_iter=steps, max_iter=steps, return_vectors=True, seed=seed)
     theta = spectrum.ritz_values.clamp_min(0)  # [B, m], ascending
     if select == "gain":
-        score = theta.sqrt() / (theta + eps * theta[:, -1:]).clamp_min(torch.finfo(theta.dtype).tiny)
+        score = regularised_gain(theta, eps * theta[:, -1:])
     else:
         score = -theta
     k = min(size, theta.shape[1])

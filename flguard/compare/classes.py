@@ -15,25 +15,26 @@ from typing import Any
 
 import torch
 
-from flguard.audit import unit_noise_i2f_lb
 from flguard.compare.config import CompareConfig
 from flguard.compare.tables import tau_of, write_csv
 from flguard.flower import task
 from flguard.risk import assess
+from flguard.risk.closed_forms import sigma_for_i2f_lb, unit_noise_i2f_lb
 from flguard.risk.operator import JacobianOperator
+from flguard.risk.trace import hutchinson
 
 CLASS_COLUMNS = ("class", "label", "samples", "grad_norm", "lambda_max", "i2f_lb_unit", "sigma_for_tau")
 
 
 def hutchinson_fro2(op: JacobianOperator, probes: int, generator: torch.Generator) -> torch.Tensor:
-    """‖J_i‖²_F = E‖J_iᵀz‖² for Rademacher z ∈ R^dx, from ``probes`` draws in one batched product.
+    """‖J_i‖²_F = E‖J_iᵀz‖², plain Hutchinson (``flguard.risk.trace.hutchinson``) with exactly
+    ``probes`` Rademacher draws from ``generator`` in one batched product.
 
     An estimate (relative std ≤ √(2/probes) per sample); the exact trace needs dx products, too
     slow for a report's side figure.
     """
-    batch, dx = op.x.shape[0], op.x[0].numel()
-    z = torch.randint(0, 2, (batch, probes, dx), generator=generator).to(op.dtype).mul_(2).sub_(1)
-    return op.jt(z).pow(2).sum(-1).mean(-1)
+    return hutchinson(op.jt, op.batch_size, op.dx, like=op.x, rtol=0.0, probes=probes, max_probes=probes,
+                      generator=generator)[0]
 
 
 def class_risk(config: CompareConfig, *, per_class: int = 4, batch_size: int = 8,
@@ -65,7 +66,7 @@ def class_risk(config: CompareConfig, *, per_class: int = 4, batch_size: int = 8
         grad, lam, unit = (statistics.median(v) for v in zip(*values[label]))
         rows.append({"class": data.classes[label] if label < len(data.classes) else str(label), "label": label,
                      "samples": len(values[label]), "grad_norm": grad, "lambda_max": lam, "i2f_lb_unit": unit,
-                     "sigma_for_tau": tau * dx ** 0.5 / unit if tau and unit > 0 else None})
+                     "sigma_for_tau": sigma_for_i2f_lb(tau, unit, dx) if tau and unit > 0 else None})
     return rows
 
 

@@ -15,16 +15,25 @@ from __future__ import annotations
 import torch
 
 from flguard.defenses.base import DefenseContext, Direction
+from flguard.risk.closed_forms import regularised_gain
+from flguard.risk.lanczos import LanczosResult
 
 
-def regularised_gain(eigenvalues: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """√λ/(λ+ε): I2F per unit of noise along the direction with eigenvalue λ."""
-    lam = eigenvalues.clamp_min(0)
-    return lam.sqrt() / (lam + eps)
+def _ritz_pairs(ctx: DefenseContext) -> LanczosResult:
+    """The guard's spectrum of K_i, which must carry Ritz vectors [B, m, dx] (Lanczos run with
+    ``return_vectors=True`` and ``min_iter=krylov_steps`` for a subspace to choose from)."""
+    spectrum = ctx.spectrum
+    if spectrum is None or spectrum.ritz_vectors is None:
+        raise ValueError("the eigen defense needs the guard's Lanczos spectrum with Ritz vectors")
+    if spectrum.ritz_vectors.shape != (ctx.op.batch_size, spectrum.ritz_values.shape[1], ctx.op.dx):
+        raise ValueError(f"Ritz vectors of shape {tuple(spectrum.ritz_vectors.shape)} do not match "
+                         f"[B={ctx.op.batch_size}, m={spectrum.ritz_values.shape[1]}, dx={ctx.op.dx}]")
+    return spectrum
 
 
 def eigen_direction(ctx: DefenseContext) -> Direction:
-    spectrum = ctx.info["spectrum"]  # LanczosResult with Ritz vectors, from the guard's measurement
+    """Unit-estimated-I2F mixtures of each sample's ``subspace_size`` highest-gain Ritz directions, summed."""
+    spectrum = _ritz_pairs(ctx)
     op, cfg = ctx.op, ctx.config
     gains = regularised_gain(spectrum.ritz_values, ctx.eps.unsqueeze(1))  # [B, m]
     k = min(cfg.subspace_size, gains.shape[1])

@@ -3,14 +3,16 @@
 Dependencies flow one way: risk ← defenses ← guard ← flower; attacks use risk, never the reverse.
 """
 
-from flguard.risk.assess import DEFAULT_EPS_RELATIVE, assess, i2f_norms, resolve_eps
+from flguard.risk.assess import assess, i2f_norms, resolve_eps
+from flguard.risk.defaults import DEFAULT_EPS_RELATIVE
 from flguard.risk.krylov import conjugate_gradient
 from flguard.risk.lanczos import lanczos
 from flguard.risk.operator import JacobianOperator
+from flguard.risk.regularised import RegularisedK
 from flguard.risk.report import METRIC_NAMES, RiskReport
 
-__all__ = ["assess", "RiskReport", "JacobianOperator", "lanczos", "conjugate_gradient", "resolve_eps", "i2f_norms",
-           "METRIC_NAMES", "DEFAULT_EPS_RELATIVE", "architecture_index"]
+__all__ = ["assess", "RiskReport", "JacobianOperator", "RegularisedK", "lanczos", "conjugate_gradient", "resolve_eps",
+           "i2f_norms", "METRIC_NAMES", "DEFAULT_EPS_RELATIVE", "architecture_index"]
 
 
 def __getattr__(name: str):

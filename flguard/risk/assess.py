@@ -13,16 +13,13 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from flguard.risk.krylov import conjugate_gradient
+from flguard.risk.closed_forms import i2f_lower_bound, to_rmse
+from flguard.risk.defaults import DEFAULT_EPS_RELATIVE
 from flguard.risk.lanczos import LanczosResult, lanczos
-from flguard.risk.operator import JacobianOperator, LossFn
+from flguard.risk.operator import Jacobian, JacobianOperator, LossFn
+from flguard.risk.regularised import RegularisedK
 from flguard.risk.report import DELTA_METRICS, METRIC_NAMES, RiskReport
-from flguard.risk.trace import deflated_hutchinson, exact_trace
-
-#: Default Tikhonov ε of I2F, relative to each sample's λmax: ε_i = DEFAULT_EPS_RELATIVE · λmax,i.
-#: A relative ε is scale-free (λ spans orders of magnitude across models and samples); the value
-#: is the one chosen by the ε study in docs/results.md.
-DEFAULT_EPS_RELATIVE = 1e-2
+from flguard.risk.trace import exact_trace, hutchinson
 #: Input dimension up to which tr(K_i) is computed exactly (dx products, in blocks of 64); above
 #: it, deflated Hutchinson. Measured on LeNet/MNIST (dx = 784): exact took less time than the 256
 #: probes Hutchinson needed for ~0.3% error, because blocks of unit vectors batch well.
@@ -50,8 +47,7 @@ def _resolve_metrics(metrics: Iterable[str] | None, delta: torch.Tensor | None) 
 
 def _k_operator_lanczos(op: JacobianOperator, wanted: set[str], rtol: float, seed: int) -> LanczosResult:
     ends = "both" if "lambda_min" in wanted else "max"
-    return lanczos(lambda q: op.kmv(q.unsqueeze(1)).squeeze(1), op.batch_size, op.dx, like=op.x,
-                   rtol=rtol, ends=ends, seed=seed)
+    return RegularisedK(op).lanczos(rtol=rtol, ends=ends, seed=seed)
 
 
 def _cos_hessian_lanczos(op: JacobianOperator, rtol: float, seed: int) -> LanczosResult:
@@ -125,8 +121,9 @@ def assess(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, loss_fn: LossF
             report.jacobian_fro2 = exact_trace(op.jt, op.batch_size, op.dx, like=op.x)
         else:
             basis_trace = k_result.ritz_values.sum(dim=1)
-            report.jacobian_fro2, probes, stderr = deflated_hutchinson(op.jt, k_result.basis, basis_trace,
-                                                                       rtol=TRACE_RTOL, seed=seed + 2)
+            report.jacobian_fro2, probes, stderr = hutchinson(op.jt, op.batch_size, op.dx, like=op.x,
+                                                              basis=k_result.basis, basis_trace=basis_trace,
+                                                              rtol=TRACE_RTOL, seed=seed + 2)
             converged &= stderr <= TRACE_RTOL * report.jacobian_fro2
             report.details.update(hutchinson_probes=probes, jacobian_fro2_stderr=stderr)
     if delta is not None:
@@ -139,7 +136,7 @@ def assess(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, loss_fn: LossF
     return report
 
 
-def i2f_solve(op: JacobianOperator, delta: torch.Tensor, eps: torch.Tensor, rtol: float) -> tuple[torch.Tensor, ...]:
+def i2f_solve(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float) -> tuple[torch.Tensor, ...]:
     """((K_i+ε_iI)⁻¹J_iδ [B, dx], ‖J_iδ‖, converged) per sample — I2F's definition, written once.
 
     The solution is the predicted shift of sample i's best reconstruction (model-input units).
@@ -147,11 +144,11 @@ def i2f_solve(op: JacobianOperator, delta: torch.Tensor, eps: torch.Tensor, rtol
     """
     per_sample = delta.expand(op.batch_size, -1) if delta.ndim == 1 else delta
     b = op.j(per_sample.unsqueeze(1)).squeeze(1)
-    solved = conjugate_gradient(lambda q: op.kmv(q.unsqueeze(1)).squeeze(1), b, eps, rtol=rtol)
+    solved = RegularisedK(op, eps).solve(b, rtol=rtol)
     return solved.solution, b.norm(dim=1), solved.converged
 
 
-def i2f_norms(op: JacobianOperator, delta: torch.Tensor, eps: torch.Tensor, rtol: float) -> tuple[torch.Tensor, ...]:
+def i2f_norms(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float) -> tuple[torch.Tensor, ...]:
     """(‖(K_i+ε_iI)⁻¹J_iδ‖, ‖J_iδ‖, converged) per sample (see ``i2f_solve``)."""
     shift, jd_norm, converged = i2f_solve(op, delta, eps, rtol)
     return shift.norm(dim=1), jd_norm, converged
@@ -160,17 +157,16 @@ def i2f_norms(op: JacobianOperator, delta: torch.Tensor, eps: torch.Tensor, rtol
 def _i2f(op: JacobianOperator, report: RiskReport, wanted: set[str], delta: torch.Tensor,
          eps: float | torch.Tensor | None, rtol: float, converged: torch.Tensor) -> None:
     """I2F = ‖(K_i+εI)⁻¹ J_iδ‖ by CG, and the bound ‖J_iδ‖/λmax; RMSEs divide by √dx."""
-    root_dx = op.dx ** 0.5
     if {"i2f", "rmse_i2f"} & wanted:
         report.eps = resolve_eps(eps, report.lambda_max, op.batch_size, op.x)
         report.i2f, jd_norm, solved = i2f_norms(op, delta, report.eps, rtol)
         converged &= solved
-        report.rmse_i2f = report.i2f / root_dx
+        report.rmse_i2f = to_rmse(report.i2f, op.dx)
     else:
         jd_norm = op.j(delta.expand(op.batch_size, 1, -1)).squeeze(1).norm(dim=1)
     if {"i2f_lb", "rmse_i2f_lb"} & wanted:
-        report.i2f_lb = jd_norm / report.lambda_max
-        report.rmse_i2f_lb = report.i2f_lb / root_dx
+        report.i2f_lb = i2f_lower_bound(jd_norm, report.lambda_max)
+        report.rmse_i2f_lb = to_rmse(report.i2f_lb, op.dx)
     for name in DELTA_METRICS:
         if name not in wanted:
             setattr(report, name, None)

@@ -289,3 +289,8 @@ class ClippedJacobian:
 
     def kmv(self, u: torch.Tensor) -> torch.Tensor:
         return self.j(self.jt(u))
+
+
+#: Either operator (plain or per-sample-clipped upload): what the guard, the defenses and
+#: ``RegularisedK`` accept — both apply j, jt and kmv on the same [B, k, ·] layout.
+Jacobian = JacobianOperator | ClippedJacobian

@@ -4,7 +4,7 @@ Exact: Σ_j ‖J_iᵀ e_j‖² over the dx unit vectors (in chunks). Estimated: 
 Lanczos basis Q_i already built for λmax, tr(K) = tr(QᵀKQ) + tr(PKP) with P = I − QQᵀ; the first
 term is Σ of the Ritz values (free), the second is estimated by Rademacher probes projected by
 P. Because Q captures the dominant eigen-directions, the remainder is small and the estimate
-tight (the idea of Hutch++).
+tight (the idea of Hutch++). Without a basis the same estimator is plain Hutchinson.
 """
 
 from __future__ import annotations
@@ -26,25 +26,35 @@ def exact_trace(jt: Transpose, batch: int, dim: int, *, like: torch.Tensor, chun
     return total
 
 
-def deflated_hutchinson(jt: Transpose, basis: torch.Tensor, basis_trace: torch.Tensor, *, rtol: float = 3e-3,
-                        probes: int = 64, max_probes: int = 512, seed: int = 0
-                        ) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """tr(K_i) ≈ tr(QᵀKQ) + mean_z ‖J_iᵀ P z‖², adding probes until the standard error of the
-    estimate is at most ``rtol`` of it (or ``max_probes``). Returns the trace [B], the probes used
-    and the standard error [B] (callers flag samples whose error bar misses the target)."""
-    batch, rank, dim = basis.shape
-    if rank >= dim:
+def hutchinson(jt: Transpose, batch: int, dim: int, *, like: torch.Tensor, basis: torch.Tensor | None = None,
+               basis_trace: torch.Tensor | None = None, rtol: float = 3e-3, probes: int = 64, max_probes: int = 512,
+               generator: torch.Generator | None = None, seed: int = 0) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """tr(K_i) ≈ tr(QᵀKQ) + mean_z ‖J_iᵀ P z‖² over Rademacher z ∈ R^dim, per sample.
+
+    With ``basis`` Q [B, m, dim] and ``basis_trace`` tr(QᵀKQ) [B] (the Ritz values' sum) the probes
+    are projected by P = I − QQᵀ (deflation); without, P = I and the estimate is plain Hutchinson
+    (relative std ≤ √(2/probes) per sample). Probes are added ``probes`` at a time until the
+    standard error is at most ``rtol`` of the estimate, or ``max_probes`` (``rtol=0``,
+    ``max_probes=probes``: exactly ``probes``). Draws come from ``generator`` when given, else from
+    a generator seeded with ``seed`` on ``like``'s device. Returns the trace [B], the probes used and
+    the standard error [B] (callers flag samples whose error bar misses the target).
+    """
+    if basis is not None and basis.shape[1] >= dim:
         return basis_trace, 0, torch.zeros_like(basis_trace)
-    generator = torch.Generator(device=basis.device).manual_seed(seed)
+    if generator is None:
+        generator = torch.Generator(device=like.device).manual_seed(seed)
+    offset = basis_trace if basis_trace is not None else torch.zeros(batch, dtype=like.dtype, device=like.device)
     samples: list[torch.Tensor] = []
     used = 0
     while used < max_probes:
-        z = torch.randint(0, 2, (batch, probes, dim), generator=generator, device=basis.device).to(basis.dtype) * 2 - 1
-        z = z - torch.einsum("bmn,bpm->bpn", basis, torch.einsum("bmn,bpn->bpm", basis, z))
+        z = torch.randint(0, 2, (batch, probes, dim), generator=generator, device=generator.device)
+        z = z.to(like) * 2 - 1
+        if basis is not None:
+            z = z - torch.einsum("bmn,bpm->bpn", basis, torch.einsum("bmn,bpn->bpm", basis, z))
         samples.append(jt(z).pow(2).sum(dim=2))
         used += probes
         values = torch.cat(samples, dim=1)
-        estimate = basis_trace + values.mean(dim=1)
+        estimate = offset + values.mean(dim=1)
         stderr = values.std(dim=1) / values.shape[1] ** 0.5
         if bool((stderr <= rtol * estimate).all()):
             break

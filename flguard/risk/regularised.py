@@ -1,0 +1,75 @@
+"""``RegularisedK``: the per-sample operators K_i + ε_iI (K_i = J_iJ_iᵀ) as one object.
+
+In the spirit of curvlinops' linear operators: ``K @ u`` applies it, ``shape``, ``dtype`` and
+``device`` describe it, and the solvers take it directly — ``K.lanczos(...)`` for the spectrum,
+``K.solve(b)`` for I2F's (K_i+ε_iI)⁻¹b. It is the one place where the Jacobian operator's
+products on [B, k, dx] (k vectors per sample) are adapted to the solvers' one vector per sample
+[B, dx], and it carries ε, so that the CG solve and its error bound ‖r‖/ε use the same ε.
+
+The Lanczos and CG modules stay model-free (they see a batched matvec); this module binds them to
+the Jacobian operator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flguard.risk.krylov import CGResult, conjugate_gradient
+from flguard.risk.lanczos import LanczosResult, lanczos
+from flguard.risk.operator import Jacobian
+
+
+class RegularisedK:
+    """K_i + ε_iI for every sample i of ``op``'s batch, matrix-free.
+
+    ``eps``: None for K itself (what Lanczos runs on: a relative ε needs λmax first), a scalar, or
+    a tensor [B] of per-sample ε_i ≥ 0. Vectors are [B, dx] (one per sample) or [B, k, dx].
+    """
+
+    def __init__(self, op: Jacobian, eps: torch.Tensor | float | None = None) -> None:
+        self.op = op
+        self.eps = None if eps is None else torch.as_tensor(eps, dtype=op.dtype, device=op.device).expand(op.batch_size)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(B, dx, dx): B blocks, each dx × dx."""
+        return (self.op.batch_size, self.op.dx, self.op.dx)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.op.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.op.device
+
+    def with_eps(self, eps: torch.Tensor | float | None) -> RegularisedK:
+        """The same K with another ε (the operator's cached pullbacks are shared)."""
+        return RegularisedK(self.op, eps)
+
+    def _kernel(self, u: torch.Tensor) -> torch.Tensor:
+        """K_i u_i, u [B, dx] or [B, k, dx]."""
+        if u.ndim == 2:
+            return self.op.kmv(u.unsqueeze(1)).squeeze(1)
+        return self.op.kmv(u)
+
+    def matvec(self, u: torch.Tensor) -> torch.Tensor:
+        """(K_i + ε_iI) u_i for u [B, dx] or [B, k, dx] (same shape back)."""
+        out = self._kernel(u)
+        if self.eps is None:
+            return out
+        return out + self.eps.view(-1, *([1] * (u.ndim - 1))) * u
+
+    __matmul__ = matvec
+    __call__ = matvec  # a plain batched matvec for code that takes a callable
+
+    def lanczos(self, **kwargs) -> LanczosResult:
+        """Extreme Ritz pairs of K_i + ε_iI per sample (``flguard.risk.lanczos.lanczos``'s keywords)."""
+        return lanczos(self, self.op.batch_size, self.op.dx, like=self.op.x, **kwargs)
+
+    def solve(self, rhs: torch.Tensor, *, rtol: float = 1e-3, max_iter: int | None = None) -> CGResult:
+        """(K_i + ε_iI)⁻¹ rhs_i by CG, rhs [B, dx]; with ε > 0 its relative error is at most
+        ``rtol`` (the bound ‖r‖/ε, ``flguard.risk.krylov``)."""
+        shift = self.eps if self.eps is not None else torch.zeros(self.op.batch_size, dtype=self.dtype,
+                                                                  device=self.device)
+        return conjugate_gradient(self._kernel, rhs, shift, rtol=rtol, max_iter=max_iter)

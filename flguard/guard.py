@@ -74,7 +74,7 @@ class Guard:
             reason = str(error) if isinstance(error, GuardFailure) else f"{type(error).__name__}: {error}"
             return self._failed(gradient, batch, reason, op, start)
         report = GuardReport(
-            rmse_before=torch.zeros(batch), rmse_after=outcome.rmse_after.cpu(), rmse_lb_after=outcome.rmse_lb_after.cpu(),
+            rmse_after=outcome.rmse_after.cpu(), rmse_lb_after=outcome.rmse_lb_after.cpu(),
             eps=outcome.eps.cpu(), noise_norm=float(outcome.noise.norm()),
             rel_noise=float(outcome.noise.norm() / flat.norm().clamp_min(1e-30)), met=outcome.met, defense=cfg.defense,
             reason=outcome.reason, matvecs=op.applications, seconds=0.0, min_rmse=cfg.floor, details=outcome.info)
@@ -195,7 +195,7 @@ class Guard:
     def _failed(self, gradient: torch.Tensor, batch: int, reason: str, op: Jacobian | None,
                 start: float) -> GuardOutput:
         nan = torch.full((batch,), float("nan"))
-        report = GuardReport(rmse_before=torch.zeros(batch), rmse_after=nan, rmse_lb_after=nan, eps=nan, noise_norm=0.0, rel_noise=0.0, met=False,
+        report = GuardReport(rmse_after=nan, rmse_lb_after=nan, eps=nan, noise_norm=0.0, rel_noise=0.0, met=False,
                              defense=self.config.defense, reason=reason,
                              matvecs=op.applications if op is not None else 0, seconds=0.0,
                              min_rmse=self.config.floor)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
 #: Numeric keys every guarded train reply carries, every round (FedAvg refuses inconsistent keys).
+#: The one list of them: ``summarise`` builds every metrics dict from it, in this order.
 METRIC_KEYS = ("guard_met", "guard_dropped", "guard_min_rmse_after", "guard_median_rmse_after",
                "guard_min_rmse_lb_after", "guard_noise_norm", "guard_rel_noise", "guard_matvecs", "guard_seconds")
 
@@ -15,13 +17,12 @@ METRIC_KEYS = ("guard_met", "guard_dropped", "guard_min_rmse_after", "guard_medi
 class GuardReport:
     """Per-sample tensors [B] and per-update scalars.
 
-    ``rmse_before`` is the predicted recovery RMSE of the update as computed (0: without noise a
-    perfect attacker recovers the sample); ``rmse_after`` is ``assess``'s ``rmse_i2f`` with δ = the
-    noise actually added (NaN when measurement failed); ``met`` is true only when every sample's
-    ``rmse_after`` ≥ ``min_rmse``; ``reason`` says why not.
+    ``rmse_after`` is ``assess``'s ``rmse_i2f`` with δ = the noise actually added (NaN when
+    measurement failed; without noise it is 0: a perfect attacker recovers the sample);
+    ``rmse_lb_after`` the lower bound's RMSE for the same δ; ``met`` is true only when every
+    sample's ``rmse_after`` ≥ ``min_rmse``; ``reason`` says why not.
     """
 
-    rmse_before: torch.Tensor
     rmse_after: torch.Tensor
     rmse_lb_after: torch.Tensor
     eps: torch.Tensor
@@ -37,16 +38,33 @@ class GuardReport:
 
     def metrics(self, dropped: bool = False) -> dict[str, float]:
         """The fixed numeric summary sent with a Flower reply (no noise seed, no direction)."""
-        finite = self.rmse_after[torch.isfinite(self.rmse_after)]
-        finite_lb = self.rmse_lb_after[torch.isfinite(self.rmse_lb_after)]
-        return {
-            "guard_met": float(self.met), "guard_dropped": float(dropped),
-            "guard_min_rmse_after": float(finite.min()) if len(finite) else -1.0,
-            "guard_median_rmse_after": float(finite.median()) if len(finite) else -1.0,
-            "guard_min_rmse_lb_after": float(finite_lb.min()) if len(finite_lb) else -1.0,
-            "guard_noise_norm": self.noise_norm, "guard_rel_noise": self.rel_noise,
-            "guard_matvecs": float(self.matvecs), "guard_seconds": self.seconds,
-        }
+        return summarise([self], dropped)
+
+
+def _worst(values: torch.Tensor) -> float:
+    """The smallest finite entry, or -1 when nothing was measured."""
+    finite = values[torch.isfinite(values)]
+    return float(finite.min()) if len(finite) else -1.0
+
+
+def summarise(reports: Sequence[GuardReport], dropped: bool = False) -> dict[str, float]:
+    """METRIC_KEYS over one or more guarded steps: the worst sample over all steps.
+
+    ``met`` only if every step met the floor; the smallest RMSE (and lower bound) over the steps,
+    -1 when some step measured nothing (its RMSEs are NaN); the median over every finite sample
+    RMSE; the largest noise; the total cost. One report gives that step's own summary.
+    """
+    after = torch.cat([r.rmse_after for r in reports])
+    after = after[torch.isfinite(after)]
+    values = (
+        float(min(float(r.met) for r in reports)), float(dropped),
+        min(_worst(r.rmse_after) for r in reports),
+        float(after.median()) if len(after) else -1.0,
+        min(_worst(r.rmse_lb_after) for r in reports),
+        max(r.noise_norm for r in reports), max(r.rel_noise for r in reports),
+        sum(float(r.matvecs) for r in reports), sum(r.seconds for r in reports),
+    )
+    return dict(zip(METRIC_KEYS, values, strict=True))
 
 
 @dataclass

@@ -42,7 +42,7 @@ from torch import nn
 
 from flguard.guard import Guard, GuardFailure
 from flguard.guard_config import THRESHOLD_DEFENSES, GuardConfig
-from flguard.guard_report import METRIC_KEYS, GuardReport
+from flguard.guard_report import METRIC_KEYS, GuardReport, summarise
 from flguard.guard_session import GuardSession, active_session, open_session
 
 _LOG = logging.getLogger("flguard")
@@ -83,20 +83,7 @@ def guard_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, gradients: Se
 
 def round_metrics(reports: Sequence[GuardReport]) -> dict[str, float]:
     """One round's guard metrics: the worst sample over all guarded steps (fixed METRIC_KEYS)."""
-    per_step = [r.metrics() for r in reports]
-    after = torch.cat([r.rmse_after for r in reports])
-    after = after[torch.isfinite(after)]
-    return {
-        "guard_met": min(m["guard_met"] for m in per_step),
-        "guard_dropped": 0.0,
-        "guard_min_rmse_after": min(m["guard_min_rmse_after"] for m in per_step),
-        "guard_median_rmse_after": float(after.median()) if len(after) else -1.0,
-        "guard_min_rmse_lb_after": min(m["guard_min_rmse_lb_after"] for m in per_step),
-        "guard_noise_norm": max(m["guard_noise_norm"] for m in per_step),
-        "guard_rel_noise": max(m["guard_rel_noise"] for m in per_step),
-        "guard_matvecs": sum(m["guard_matvecs"] for m in per_step),
-        "guard_seconds": sum(m["guard_seconds"] for m in per_step),
-    }
+    return summarise(reports)
 
 
 def error_reply(message: Message, reason: str) -> Message:

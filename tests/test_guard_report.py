@@ -1,0 +1,30 @@
+"""The guard's reply metrics: METRIC_KEYS, listed once, and ``summarise`` over one or more steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flguard.flower.guard_mod import round_metrics
+from flguard.guard_report import METRIC_KEYS, GuardReport, summarise
+
+
+def _report(after, lb, met, noise, matvecs, seconds):
+    return GuardReport(rmse_after=torch.tensor(after), rmse_lb_after=torch.tensor(lb), eps=torch.zeros(len(after)),
+                       noise_norm=noise, rel_noise=noise / 10, met=met, defense="gaussian", reason="",
+                       matvecs=matvecs, seconds=seconds)
+
+
+@pytest.mark.parametrize("nan_step", [False, True])
+def test_summarise_is_the_worst_sample_over_steps(nan_step):
+    first = _report([0.3, 0.1, 0.2], [0.01, 0.02, 0.03], True, 2.0, 10, 0.5)
+    second = _report([float("nan")] * 2 if nan_step else [0.4, 0.05], [float("nan")] * 2 if nan_step else [0.04, 0.005],
+                     not nan_step, 3.0, 7, 0.25)
+    metrics = summarise([first, second])
+    assert round_metrics([first, second]) == metrics  # the Flower layer's round summary is the same
+    assert tuple(metrics) == METRIC_KEYS
+    expected = ([0.0, 0.0, -1.0, 0.2, -1.0, 3.0, 0.3, 17.0, 0.75] if nan_step else
+                [1.0, 0.0, 0.05, 0.2, 0.005, 3.0, 0.3, 17.0, 0.75])
+    assert list(metrics.values()) == pytest.approx(expected)
+    assert first.metrics(dropped=True) == pytest.approx(dict(zip(METRIC_KEYS, [1.0, 1.0, 0.1, 0.2, 0.01, 2.0, 0.2,
+                                                                                10.0, 0.5])))

@@ -14,17 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
-pytestmark = pytest.mark.skipif(not LINT_IMPORTS.exists(),
-                                reason="import-linter is not installed (pip install -e .[dev])")
-
 
 def _lint(package_parent: Path) -> subprocess.CompletedProcess:
-    """Run lint-imports with the repository's contracts, importing ``flguard`` from ``package_parent``."""
+    """Run lint-imports with the repository's contracts, importing ``flguard`` from ``package_parent``.
+
+    import-linter is in the dev extra (like pytest): missing, the check fails rather than skips."""
+    assert LINT_IMPORTS.exists(), f"{LINT_IMPORTS} not found: pip install -c constraints.txt -e .[dev]"
     env = {**os.environ, "PYTHONPATH": str(package_parent)}
     return subprocess.run([str(LINT_IMPORTS), "--config", str(ROOT / "pyproject.toml"), "--no-cache"],
                           cwd=package_parent, env=env, capture_output=True, text=True, timeout=300)

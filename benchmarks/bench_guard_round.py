@@ -115,7 +115,7 @@ def main() -> None:
     for defense in args.defenses:
         plain, _ = run_round(copy.deepcopy(base), rnd, args.lr)
         extra = {} if args.rtol is None else {"rtol": args.rtol}
-        if args.krylov_steps is not None:
+        if args.krylov_steps is not None and defense == "eigen":  # an eigen field: the others reject it
             extra["krylov_steps"] = args.krylov_steps
         guard = Guard(GuardConfig(defense=defense, min_rmse=args.tau, seed=0, max_rel_noise=1e9, **extra))
         for key in COUNTS:

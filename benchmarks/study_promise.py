@@ -94,9 +94,10 @@ def run(args) -> list[dict]:
                     if defense == "none":  # the control: every attack on the unguarded upload
                         result, sent, report = attacks(model, g, x, y, data, args, args.subspace_size), g, None
                     else:
-                        cfg = GuardConfig(defense=defense, min_rmse=tau, seed=1000 * u + batch,
-                                          subspace_size=args.subspace_size, krylov_steps=args.krylov_steps,
-                                          gaussian_floor=args.gaussian_floor, eps=args.eps, input_bounds=bounds)
+                        own = dict(subspace_size=args.subspace_size, krylov_steps=args.krylov_steps,
+                                   gaussian_floor=args.gaussian_floor) if defense == "eigen" else {}
+                        cfg = GuardConfig(defense=defense, min_rmse=tau, seed=1000 * u + batch, eps=args.eps,
+                                          input_bounds=bounds, **own)
                         guarded = Guard(cfg).protect(model, x, y, g)
                         sent, report = guarded.gradient, guarded.report
                         result = attacks(model, sent, x, y, data, args, args.subspace_size) if sent is not None else {}
@@ -184,10 +185,10 @@ def main() -> None:
     parser.add_argument("--samples-b1", type=int, default=9, help="B=1 uploads (each guarded per defense and τ)")
     parser.add_argument("--batches-b8", type=int, default=1, help="B=8 uploads (each guarded per defense and τ)")
     parser.add_argument("--offset", type=int, default=300)
-    parser.add_argument("--subspace-size", type=int, default=GuardConfig().subspace_size)
-    parser.add_argument("--krylov-steps", type=int, default=GuardConfig().krylov_steps)
+    parser.add_argument("--subspace-size", type=int, default=GuardConfig(defense="eigen").subspace_size)
+    parser.add_argument("--krylov-steps", type=int, default=GuardConfig(defense="eigen").krylov_steps)
     parser.add_argument("--no-bounds", action="store_true", help="guard without input_bounds")
-    parser.add_argument("--gaussian-floor", type=float, default=GuardConfig().gaussian_floor)
+    parser.add_argument("--gaussian-floor", type=float, default=GuardConfig(defense="eigen").gaussian_floor)
     parser.add_argument("--eps", type=float, default=GuardConfig().eps, help="the guard's ε relative to λmax")
     parser.add_argument("--adaptive-factor", type=int, default=None,
                         help="attacker subspace / defense subspace at B=1 (default 2; 4 with --full)")

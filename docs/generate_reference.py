@@ -137,13 +137,8 @@ def meaning(model: type[BaseModel], name: str, info: Any) -> str:
     if info.description:
         return info.description
     key = f"{model.__name__}.{name}"
-    if model.__name__ == "DefenseSpec":
-        from flguard.compare.config import GUARD_FIELDS, LOCALDP_FIELDS
-
-        if name in GUARD_FIELDS:
-            return f"guard defenses only: `GuardConfig.{name}` (unset: GuardConfig's default)"
-        if name in LOCALDP_FIELDS:
-            return f"`localdp` only: LocalDpMod's `{name}` (see LocalDpConfig)"
+    if model.__name__.endswith("GuardConfig"):  # the per-defense models share the base's fallbacks
+        key = f"GuardConfig.{name}"
     if key in FALLBACK_MEANINGS:
         USED_FALLBACKS.add(key)
         return FALLBACK_MEANINGS[key]
@@ -158,6 +153,41 @@ def field_table(model: type[BaseModel], only: tuple[str, ...] | None = None) -> 
         rows.append(f"| `{name}` | {type_name(info.annotation)} | {default_text(info)} | "
                     f"{constraints(info) or '—'} | {cell(meaning(model, name, info))} |")
     return "\n".join(rows)
+
+
+def guard_field_table(names: tuple[str, ...]) -> str:
+    """A field table of GuardConfig fields with the defenses that take each one (from the models)."""
+    from flguard.guard_config import DEFENSES, defense_fields, guard_config_model
+
+    rows = ["| field | defenses | type | default | allowed | meaning |", "| --- | --- | --- | --- | --- | --- |"]
+    for name in names:
+        takers = [d for d in DEFENSES if name in defense_fields(d)]
+        model = guard_config_model(takers[0])
+        info = model.model_fields[name]
+        who = "all" if len(takers) == len(DEFENSES) else ", ".join(f"`{d}`" for d in takers)
+        rows.append(f"| `{name}` | {who} | {type_name(info.annotation)} | {default_text(info)} | "
+                    f"{constraints(info) or '—'} | {cell(meaning(model, name, info))} |")
+    return "\n".join(rows)
+
+
+def defense_keys_table() -> str:
+    """Which keys each ``defense`` of a ``[[defenses]]`` table takes (``compare_fields``)."""
+    from flguard.compare.config import compare_fields
+    from flguard.guard_config import DEFENSES, GuardConfig, defense_fields
+
+    common = set(defense_fields("none")) & set(compare_fields("gaussian"))
+    rows = ["| `defense` | keys it may set besides `name` and `defense` |", "| --- | --- |"]
+    for defense in DEFENSES:
+        keys = compare_fields(defense)
+        own = [k for k in keys if k not in GuardConfig.model_fields]
+        if defense == "localdp":
+            text = ", ".join(f"`{k}`" for k in keys) + " (Flower's LocalDpMod)"
+        elif not keys:
+            text = "none (no guard runs)"
+        else:
+            text = "the common guard fields" + (" and " + ", ".join(f"`{k}`" for k in own) if own else "")
+        rows.append(f"| `{defense}` | {text} |")
+    return "\n".join(rows) + f"\n\nThe common guard fields: {', '.join(f'`{k}`' for k in sorted(common, key=list(GuardConfig.model_fields).index))}."
 
 
 def error_example() -> str:
@@ -181,18 +211,20 @@ def error_example() -> str:
 
 
 def generated_blocks() -> dict[str, str]:
-    from flguard.compare.config import GUARD_FIELDS, AttackSection, CompareConfig, DefenseSpec, TaskSection
+    from flguard.compare.config import (NOT_IN_COMPARISONS, AttackSection, CompareConfig, DefenseSpec, TaskSection,
+                                        compare_fields)
     from flguard.flower.dp import LocalDpConfig
-    from flguard.guard_config import GuardConfig
+    from flguard.guard_config import DEFENSES
 
+    in_defenses = tuple(dict.fromkeys(n for d in DEFENSES if d != "localdp" for n in compare_fields(d)))
     return {
         "CompareConfig": field_table(CompareConfig),
         "TaskSection": field_table(TaskSection),
         "AttackSection": field_table(AttackSection),
         "DefenseSpec": field_table(DefenseSpec, ("name", "defense")),
-        "GuardConfig-in-defenses": field_table(GuardConfig, GUARD_FIELDS),
-        "GuardConfig-not-in-defenses": ", ".join(f"`{name}`" for name in GuardConfig.model_fields
-                                                 if name not in GUARD_FIELDS and name != "defense") + ".",
+        "defense-keys": defense_keys_table(),
+        "GuardConfig-in-defenses": guard_field_table(in_defenses),
+        "GuardConfig-not-in-defenses": ", ".join(f"`{name}`" for name in NOT_IN_COMPARISONS) + ".",
         "LocalDpConfig": field_table(LocalDpConfig),
         "error-example": error_example(),
     }
@@ -218,6 +250,10 @@ def fill_markers(text: str, blocks: dict[str, str]) -> str:
 #: (module, heading, names): documented in this order.
 API: list[tuple[str, str, list[str]]] = [
     ("flguard", "The guard", ["make_guarded", "GuardConfig", "Guard", "GuardReport", "GuardOutput", "GuardFailure"]),
+    ("flguard.guard_config", "One config per defense", [
+        "GaussianGuardConfig", "EigenGuardConfig", "NoneGuardConfig", "FixedGaussianGuardConfig", "PruningGuardConfig",
+        "LocalDpGuardConfig", "ThresholdGuardConfig", "LocalDpConfig", "AnyGuardConfig", "parse_guard_config",
+        "guard_config_model", "defense_fields", "all_guard_fields"]),
     ("flguard.training", "Guarding an unchanged training loop", ["GuardedOptimizer", "GuardedCriterion",
                                                                  "GuardMisuse"]),
     ("flguard.risk", "Risk metrics", ["assess", "RiskReport", "architecture_index", "JacobianOperator", "lanczos",
@@ -225,7 +261,7 @@ API: list[tuple[str, str, list[str]]] = [
     ("flguard.attacks", "Attacks", ["reconstruct", "Reconstruction", "hyperparameters_of", "methods",
                                     "recover_labels"]),
     ("flguard.flower", "Flower integration, client side", [
-        "guard_mod", "guard_mod_from_run_config", "weaker_fields", "client_minimum", "guard_step", "round_metrics",
+        "guard_mod", "guard_mod_from_run_config", "guard_run_config", "guard_config_from_run_config", "weaker_fields", "client_minimum", "guard_step", "round_metrics",
         "GuardDropped", "GuardedNumPyClient", "UnguardedUpdate", "record_batch", "TruthChannelRefused",
         "in_simulation_runtime"]),
     ("flguard.server", "The malicious server", [
@@ -234,10 +270,10 @@ API: list[tuple[str, str, list[str]]] = [
         "CapturedUpload", "Scorer", "score_batch", "ResultWriter", "save_grid", "TruthReader", "TrueBatch"]),
     ("flguard.flower.apps", "The apps every run uses", ["make_client_app", "make_server_app", "config_mods",
                                                         "run_server"]),
-    ("flguard.flower.dp", "Flower's LocalDpMod, measured", ["LocalDpConfig", "localdp_mod_from_config",
-                                                            "measured_local_dp"]),
+    ("flguard.flower.dp", "Flower's LocalDpMod, measured", ["localdp_mod_from_config", "measured_local_dp",
+                                                            "localdp_run_config"]),
     ("flguard.compare", "Comparisons", ["CompareConfig", "TaskSection", "AttackSection", "DefenseSpec",
-                                        "load_config", "run_config_string"]),
+                                        "compare_fields", "load_config", "run_config_string"]),
     ("flguard.compare.runner", "Running a comparison", ["run_comparison", "run_defense", "is_finished",
                                                         "RunOutcome"]),
     ("flguard.compare.tables", "Tables", ["build_tables", "defense_rows", "summary_row", "tau_of"]),

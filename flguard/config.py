@@ -33,6 +33,9 @@ def describe_validation_error(model_name: str, error: ValidationError) -> str:
         reason = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             reason = "unknown field (check its spelling)"
+        if item["type"] == "missing":
+            lines.append(f"{model_name}.{field}: required (no default)")
+            continue
         if not field:  # a rule across fields: its message names them
             lines.append(f"{model_name}: {reason}")
             continue

@@ -1,13 +1,37 @@
-"""``GuardConfig``: everything a user sets on the leakage guard, validated with clear errors."""
+"""``GuardConfig``: everything a user sets on the leakage guard, one pydantic model per defense.
+
+``GuardConfig(defense=..., **fields)`` returns the model of that defense (``GaussianGuardConfig``,
+``EigenGuardConfig``, …, all subclasses of ``GuardConfig``), so a field that does not apply to the
+chosen defense — ``sigma`` with ``eigen``, ``keep_ratio`` with ``gaussian`` — is an error that names
+it instead of being silently ignored. Which fields a defense takes follows what ``flguard.guard``
+reads for it:
+
+* every defense (``GuardConfig``, the base): the floor τ (``min_rmse`` or ``max_psnr`` with
+  ``pixel_mean``/``pixel_std``), the measurement's ``eps``/``eps_mode``/``rtol``, ``clip_per_sample``,
+  the failure policy ``on_unmet``/``acknowledge_unguarded``/``max_rel_noise`` and ``seed``: the guard
+  measures every defense's noise against τ (a baseline is sent anyway and reported with
+  ``guard_met``), clips for every defense, and applies ``on_unmet`` to any defense that fails;
+* ``gaussian`` and ``eigen`` (``ThresholdGuardConfig``): ``input_bounds``, the box in which the
+  floor they *promise* is verified;
+* ``eigen``: ``subspace_size``, ``krylov_steps``, ``gaussian_floor``; ``fixed-gaussian``: ``sigma``;
+  ``pruning``: ``keep_ratio``; ``localdp``: Flower's LocalDpMod arguments ``clipping_norm``,
+  ``sensitivity``, ``epsilon``, ``delta`` (``LocalDpConfig``, shared with ``flguard.flower.dp``).
+
+``AnyGuardConfig`` is the same choice as a pydantic discriminated union (for fields of other
+models), ``parse_guard_config`` builds one from a mapping (TOML, run config), and
+``defense_fields`` lists a defense's fields — the compare config and the run-config keys are derived
+from it, so a field declared here appears everywhere.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Any, Literal, Mapping, Union
 
 from pydantic import Field, model_validator
 
-from flguard.config import StrictModel
+from flguard.config import ConfigError, StrictModel
+from flguard.defenses.baselines import gaussian_mechanism_std
 from flguard.risk.defaults import DEFAULT_EPS_RELATIVE
 
 DEFENSES = ("none", "gaussian", "eigen", "fixed-gaussian", "pruning", "localdp")
@@ -23,26 +47,90 @@ def _per_channel(value: Channels) -> tuple[float, ...]:
     return value if isinstance(value, tuple) else (value,)
 
 
+#: Old names of the localdp fields (before they took Flower's LocalDpMod names): an error says the new one.
+RENAMED_FIELDS = {"clip_norm": "clipping_norm", "dp_epsilon": "epsilon", "dp_delta": "delta"}
+
+
+def _no_old_names(data: Any) -> None:
+    renamed = [f"{old} is now {new} (Flower's LocalDpMod name, a defense='localdp' field)" for old, new in RENAMED_FIELDS.items() if old in data]
+    if renamed:
+        raise ValueError("; ".join(renamed))
+
+
+def _known_fields(model: type, data: Any) -> Any:
+    """Before validation: a renamed field, or a field of another defense, is an error naming it (a
+    plain typo is left to ``extra="forbid"``: "unknown field (check its spelling)")."""
+    if not isinstance(data, Mapping):
+        return data
+    _no_old_names(data)
+    defense = data.get("defense", model.model_fields["defense"].default)
+    foreign = {}
+    for name in data:
+        if name in model.model_fields:
+            continue
+        owners = [d for d, m in DEFENSE_MODELS.items() if name in m.model_fields]
+        if owners:
+            foreign[name] = owners
+    if foreign:
+        own = [f for f in model.model_fields if f not in GuardConfig.model_fields]
+        raise ValueError(
+            "; ".join(f"{name} does not apply to defense={defense!r} (it is a field of {', '.join(map(repr, owners))})"
+                      for name, owners in foreign.items())
+            + f"; defense={defense!r} takes the common fields"
+            + (f" and {', '.join(own)}" if own else " only"))
+    return data
+
+
+class LocalDpConfig(StrictModel):
+    """The arguments of Flower's ``LocalDpMod``: clip to ``clipping_norm``, then Gaussian noise of std
+    ``gaussian_mechanism_std(sensitivity, epsilon, delta)`` = sensitivity·√(2 ln(1.25/δ))/ε.
+
+    One meaning of "localdp": ``flguard.flower.dp`` passes these to Flower's mod (on the model update),
+    the guard's ``localdp`` defense (``LocalDpGuardConfig``) applies the same rule to each step's
+    gradient, with the same names."""
+
+    clipping_norm: float = Field(gt=0.0, description="clip the update (model update θK − θ0, or the guard's "
+                                                     "step gradient) to this norm")
+    sensitivity: float = Field(gt=0.0, description="sensitivity in the noise formula (usually = clipping_norm)")
+    epsilon: float = Field(gt=0.0, description="ε of the Gaussian mechanism")
+    delta: float = Field(1e-5, gt=0.0, lt=1.0, description="δ of the Gaussian mechanism")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            _no_old_names(data)
+        return data
+
+    @property
+    def std(self) -> float:
+        """The per-coordinate noise standard deviation the mechanism adds."""
+        return gaussian_mechanism_std(self.sensitivity, self.epsilon, self.delta)
+
+
 class GuardConfig(StrictModel):
-    """Guard settings.
+    """Guard settings common to every defense; ``GuardConfig(defense=..., ...)`` returns the
+    defense's own subclass (``defense`` defaults to ``"gaussian"``).
 
     ``min_rmse`` (τ) is the floor on each sample's predicted recovery RMSE, in the model's input
-    units: for inputs normalised as (pixel − mean)/std, a pixel-space RMSE r is ``r / std``.
-    ``input_bounds`` (low, high), scalars or one value per channel in model-input units (pixels
-    [0, 1] are ((0 − mean)/std, (1 − mean)/std)), or ``"batch"`` (each channel's min and max over
-    the batch itself: the tightest box holding the data, so a conservative stand-in for any box an
-    attacker may know): when set, the floor is verified for an attacker that clips its
-    reconstruction to this box — the predicted error is clip(x + Δx) − x instead of Δx — a promise
-    never weaker than without it, which closes the gap to box-constrained attacks (GS).
+    units: for inputs normalised as (pixel − mean)/std, a pixel-space RMSE r is ``r / std``. The
+    threshold defenses (``gaussian``, ``eigen``) scale their noise to meet it; the baselines are
+    measured against it (``guard_met``) and sent anyway.
 
     ``max_psnr`` (dB, pixels in [0, 1]) states the floor in pixel space instead, with the inputs'
     normalisation ``pixel_mean``/``pixel_std`` (scalar or per channel): no sample's predicted
     reconstruction may be closer than this PSNR, i.e. its pixel RMSE must be ≥ 10^(−max_psnr/20).
     A pixel error is the input error times its channel's std, so the pixel RMSE is at least
     min(std) × the input RMSE, and τ = 10^(−max_psnr/20) / min(std) in input units guarantees the
-    pixel floor on every channel mix (``floor``). ``input_bounds`` then defaults to the pixel box
-    [0, 1] mapped through the normalisation (``bounds``). Give ``min_rmse`` or ``max_psnr``, not
-    both; with neither, τ = DEFAULT_MIN_RMSE input units.
+    pixel floor on every channel mix (``floor``). Give ``min_rmse`` or ``max_psnr``, not both; with
+    neither, τ = DEFAULT_MIN_RMSE input units.
+
+    Why ``__new__`` dispatches: ``GuardConfig(...)`` is the public call in user code, run configs
+    and TOML files, and it must keep working while each defense validates only its own fields.
+    Python calls the returned subclass's (pydantic) ``__init__``, since it is an instance of
+    ``GuardConfig``. For the same reason ``model_copy(update=...)`` validates (pydantic's does not):
+    an update may change ``defense`` (the copy is then the new defense's model) and a field the
+    defense does not take is an error, as in the constructor.
     """
 
     defense: Literal["none", "gaussian", "eigen", "fixed-gaussian", "pruning", "localdp"] = "gaussian"
@@ -62,30 +150,29 @@ class GuardConfig(StrictModel):
     on_unmet: Literal["drop", "max-noise", "send"] = "drop"
     acknowledge_unguarded: bool = Field(False, description="required with on_unmet='send'")
     seed: int | None = Field(None, description="None: noise from OS entropy; an int only for tests/benchmarks")
-    subspace_size: int = Field(32, ge=1, description="eigen: weak directions mixed per sample")
-    krylov_steps: int = Field(64, ge=4, description="eigen: Lanczos steps used to find weak directions")
-    gaussian_floor: float = Field(0.0, ge=0.0, le=1.0, description="eigen: share of min_rmse an isotropic "
-                                  "noise part must meet on its own (robustness to subspace-aware attackers)")
     rtol: float = Field(1e-3, gt=0.0, lt=0.1, description="solver tolerance")
-    input_bounds: tuple[float | tuple[float, ...], float | tuple[float, ...]] | Literal["batch"] | None = Field(
-        None, description="(low, high) box of valid inputs in model-input units (scalar or per channel), or 'batch'")
-    sigma: float = Field(1e-2, gt=0.0, description="fixed-gaussian: noise standard deviation")
-    keep_ratio: float = Field(0.1, gt=0.0, le=1.0, description="pruning: share of largest-magnitude entries kept")
-    clip_norm: float = Field(1.0, gt=0.0, description="localdp: clipping norm (sensitivity)")
-    dp_epsilon: float = Field(1.0, gt=0.0, description="localdp: ε of the Gaussian mechanism")
-    dp_delta: float = Field(1e-5, gt=0.0, lt=1.0, description="localdp: δ of the Gaussian mechanism")
 
-    @model_validator(mode="after")
-    def _bounds_are_a_box(self) -> "GuardConfig":
-        if self.input_bounds is not None and self.input_bounds != "batch":
-            low, high = (v if isinstance(v, tuple) else (v,) for v in self.input_bounds)
-            channels = max(len(low), len(high))
-            if {len(low), len(high)} - {1, channels}:
-                raise ValueError("input_bounds: low and high need one value each or one per channel")
-            low, high = low * (channels // len(low)), high * (channels // len(high))
-            if not all(math.isfinite(lo) and math.isfinite(hi) and lo < hi for lo, hi in zip(low, high)):
-                raise ValueError(f"input_bounds={self.input_bounds}: every low must be finite and below its high")
-        return self
+    def __new__(cls, *args: Any, **data: Any) -> "GuardConfig":
+        if cls is GuardConfig:  # the public call: pick the defense's model (an unknown one fails in validation)
+            defense = data.get("defense", "gaussian")
+            cls = DEFENSE_MODELS.get(defense, GuardConfig) if isinstance(defense, str) else GuardConfig
+        return super().__new__(cls)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> "GuardConfig":
+        """A copy; with ``update``, a new config validated from the fields set here plus ``update``."""
+        if not update:
+            return super().model_copy(deep=deep)
+        return GuardConfig(**{**self.model_dump(exclude_unset=True), "defense": self.defense, **update})
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> "GuardConfig":
+        """Build from a plain mapping (TOML, JSON) — the defense's model; same errors as the constructor."""
+        return cls(**data)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        return _known_fields(cls, data)
 
     @model_validator(mode="after")
     def _one_floor(self) -> "GuardConfig":
@@ -112,12 +199,48 @@ class GuardConfig(StrictModel):
             raise ValueError(f"pixel_std={self.pixel_std} must be positive and finite, pixel_mean finite")
         return self
 
+    @model_validator(mode="after")
+    def _send_needs_acknowledgement(self) -> "GuardConfig":
+        if self.on_unmet == "send" and not self.acknowledge_unguarded:
+            raise ValueError("on_unmet='send' lets an update that misses min_rmse leave the client; "
+                             "set acknowledge_unguarded=True to confirm")
+        return self
+
     @property
     def floor(self) -> float:
         """τ in model-input units: ``min_rmse``, or 10^(−max_psnr/20) / min(pixel_std)."""
         if self.max_psnr is None:
             return float(self.min_rmse)
         return 10 ** (-self.max_psnr / 20) / min(_per_channel(self.pixel_std))
+
+
+class ThresholdGuardConfig(GuardConfig):
+    """The defenses that promise the floor (``gaussian``, ``eigen``): they scale their noise until every
+    sample's predicted RMSE reaches τ, optionally for an attacker that clips to a box of valid inputs.
+
+    ``input_bounds`` (low, high), scalars or one value per channel in model-input units (pixels
+    [0, 1] are ((0 − mean)/std, (1 − mean)/std)), or ``"batch"`` (each channel's min and max over
+    the batch itself: the tightest box holding the data, so a conservative stand-in for any box an
+    attacker may know): when set, the floor is verified for an attacker that clips its
+    reconstruction to this box — the predicted error is clip(x + Δx) − x instead of Δx — a promise
+    never weaker than without it, which closes the gap to box-constrained attacks (GS). With
+    ``max_psnr`` and no ``input_bounds`` the box defaults to the pixel box [0, 1] (``bounds``).
+    """
+
+    input_bounds: tuple[float | tuple[float, ...], float | tuple[float, ...]] | Literal["batch"] | None = Field(
+        None, description="(low, high) box of valid inputs in model-input units (scalar or per channel), or 'batch'")
+
+    @model_validator(mode="after")
+    def _bounds_are_a_box(self) -> "ThresholdGuardConfig":
+        if self.input_bounds is not None and self.input_bounds != "batch":
+            low, high = (v if isinstance(v, tuple) else (v,) for v in self.input_bounds)
+            channels = max(len(low), len(high))
+            if {len(low), len(high)} - {1, channels}:
+                raise ValueError("input_bounds: low and high need one value each or one per channel")
+            low, high = low * (channels // len(low)), high * (channels // len(high))
+            if not all(math.isfinite(lo) and math.isfinite(hi) and lo < hi for lo, hi in zip(low, high)):
+                raise ValueError(f"input_bounds={self.input_bounds}: every low must be finite and below its high")
+        return self
 
     @property
     def bounds(self) -> tuple | str | None:
@@ -131,9 +254,83 @@ class GuardConfig(StrictModel):
         high = tuple((1 - m) / s for m, s in zip(mean, std))
         return (low, high) if channels > 1 else (low[0], high[0])
 
-    @model_validator(mode="after")
-    def _send_needs_acknowledgement(self) -> "GuardConfig":
-        if self.on_unmet == "send" and not self.acknowledge_unguarded:
-            raise ValueError("on_unmet='send' lets an update that misses min_rmse leave the client; "
-                             "set acknowledge_unguarded=True to confirm")
-        return self
+
+class GaussianGuardConfig(ThresholdGuardConfig):
+    """``gaussian``: isotropic noise scaled until every sample's predicted RMSE ≥ τ."""
+
+    defense: Literal["gaussian"] = "gaussian"
+
+
+class EigenGuardConfig(ThresholdGuardConfig):
+    """``eigen``: noise aimed at each sample's weak directions (found by Lanczos), scaled to τ."""
+
+    defense: Literal["eigen"] = "eigen"
+    subspace_size: int = Field(32, ge=1, description="eigen: weak directions mixed per sample")
+    krylov_steps: int = Field(64, ge=4, description="eigen: Lanczos steps used to find weak directions")
+    gaussian_floor: float = Field(0.0, ge=0.0, le=1.0, description="eigen: share of min_rmse an isotropic "
+                                  "noise part must meet on its own (robustness to subspace-aware attackers)")
+
+
+class NoneGuardConfig(GuardConfig):
+    """``none``: the gradient unchanged, its (absent) protection measured against τ."""
+
+    defense: Literal["none"] = "none"
+
+
+class FixedGaussianGuardConfig(GuardConfig):
+    """``fixed-gaussian``: the baseline g + N(0, σ²I), sent whatever its measured RMSE."""
+
+    defense: Literal["fixed-gaussian"] = "fixed-gaussian"
+    sigma: float = Field(1e-2, gt=0.0, description="fixed-gaussian: noise standard deviation")
+
+
+class PruningGuardConfig(GuardConfig):
+    """``pruning``: the baseline that keeps the largest-magnitude entries (DLG's pruning defense)."""
+
+    defense: Literal["pruning"] = "pruning"
+    keep_ratio: float = Field(0.1, gt=0.0, le=1.0, description="pruning: share of largest-magnitude entries kept")
+
+
+class LocalDpGuardConfig(LocalDpConfig, GuardConfig):
+    """``localdp``: Flower's LocalDpMod rule (``LocalDpConfig``: clip to ``clipping_norm``, Gaussian
+    noise of std sensitivity·√(2 ln(1.25/δ))/ε) on each step's gradient, measured against τ."""
+
+    defense: Literal["localdp"] = "localdp"
+
+
+#: Each defense's model; ``GuardConfig(defense=d)`` builds ``DEFENSE_MODELS[d]``.
+DEFENSE_MODELS: dict[str, type[GuardConfig]] = {
+    "none": NoneGuardConfig, "gaussian": GaussianGuardConfig, "eigen": EigenGuardConfig,
+    "fixed-gaussian": FixedGaussianGuardConfig, "pruning": PruningGuardConfig, "localdp": LocalDpGuardConfig}
+assert tuple(DEFENSE_MODELS) == DEFENSES
+
+#: The same choice as a pydantic field type, discriminated on ``defense``.
+AnyGuardConfig = Annotated[Union[NoneGuardConfig, GaussianGuardConfig, EigenGuardConfig, FixedGaussianGuardConfig,
+                                 PruningGuardConfig, LocalDpGuardConfig], Field(discriminator="defense")]
+
+
+def guard_config_model(defense: str) -> type[GuardConfig]:
+    """The model of ``defense`` (a ConfigError naming the known ones otherwise)."""
+    if defense not in DEFENSE_MODELS:
+        raise ConfigError(f"GuardConfig.defense: value={defense!r} is not allowed: choose one of "
+                          f"{', '.join(DEFENSES)}")
+    return DEFENSE_MODELS[defense]
+
+
+def defense_fields(defense: str) -> tuple[str, ...]:
+    """The fields ``defense`` takes, ``defense`` itself excluded (declaration order)."""
+    return tuple(name for name in guard_config_model(defense).model_fields if name != "defense")
+
+
+def all_guard_fields() -> tuple[str, ...]:
+    """Every field some defense takes, ``defense`` first (the ``guard-<field>`` run-config keys)."""
+    names = ["defense"]
+    for defense in DEFENSES:
+        names += [name for name in defense_fields(defense) if name not in names]
+    return tuple(names)
+
+
+def parse_guard_config(data: Mapping[str, Any]) -> GuardConfig:
+    """The defense's config from a mapping (TOML table, run-config values); ``defense`` defaults to
+    ``"gaussian"``. Errors (ConfigError) name the field."""
+    return GuardConfig(**dict(data))

@@ -134,8 +134,9 @@ def test_send_without_acknowledgement_is_a_config_error():
 
 def test_baselines_report_their_measured_protection():
     model, x, y, jac, g = _problem(2)
+    own = {"fixed-gaussian": {"sigma": 1e-3}, "localdp": {"clipping_norm": 1.0, "sensitivity": 1.0, "epsilon": 1.0}}
     for defense in ("fixed-gaussian", "pruning", "localdp", "none"):
-        out = Guard(GuardConfig(defense=defense, min_rmse=TAU, seed=0, sigma=1e-3)).protect(model, x, y, g)
+        out = Guard(GuardConfig(defense=defense, min_rmse=TAU, seed=0, **own.get(defense, {}))).protect(model, x, y, g)
         assert out.gradient is not None
         dense = _dense_rmse(jac, out.gradient - g, out.report.eps)
         torch.testing.assert_close(out.report.rmse_after, dense, rtol=2e-3, atol=1e-12)

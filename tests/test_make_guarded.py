@@ -44,7 +44,8 @@ def test_sgd_step_applies_noise_that_meets_the_floor_against_dense_i2f(defense):
     theta0 = flat_params(model)
     reference_model = copy.deepcopy(model)
     lr = 0.5
-    config = CONFIG.model_copy(update={"defense": defense, "subspace_size": 4, "krylov_steps": 8})
+    eigen = {"subspace_size": 4, "krylov_steps": 8} if defense == "eigen" else {}  # eigen's own fields
+    config = CONFIG.model_copy(update={"defense": defense, **eigen})
     model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=lr),
                                                nn.CrossEntropyLoss(), config)
     optimizer.zero_grad()

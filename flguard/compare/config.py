@@ -14,18 +14,16 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
 
 from flguard.config import ConfigError, StrictModel
-from flguard.flower.dp import LocalDpConfig
-from flguard.guard_config import GuardConfig
+from flguard.flower.dp import LocalDpConfig, localdp_run_config
+from flguard.flower.guard_mod import guard_run_config
+from flguard.guard_config import DEFENSES, GuardConfig, defense_fields, guard_config_model
 
-#: Defenses the guard implements (``guard-*`` run-config keys); ``localdp`` is Flower's LocalDpMod.
-GUARD_DEFENSES = ("none", "gaussian", "eigen", "fixed-gaussian", "pruning")
-LOCALDP_FIELDS = ("clipping_norm", "sensitivity", "epsilon", "delta")
-GUARD_FIELDS = ("min_rmse", "max_psnr", "pixel_mean", "pixel_std", "clip_per_sample", "eps_mode", "eps", "max_rel_noise",
-                "on_unmet", "seed", "subspace_size", "krylov_steps", "rtol", "sigma", "keep_ratio", "input_bounds",
-                "gaussian_floor")
+#: GuardConfig fields a comparison does not take: without ``acknowledge_unguarded``, ``on_unmet =
+#: "send"`` is refused, so a comparison never sends an update that missed its floor.
+NOT_IN_COMPARISONS = ("acknowledge_unguarded",)
 #: The config shipped as ``flguard demo``.
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "simulations" / "default.toml"
 
@@ -102,55 +100,64 @@ class AttackSection(StrictModel):
         return self
 
 
-class DefenseSpec(StrictModel):
-    """One defense to compare: a guard defense (its GuardConfig fields) or Flower's LocalDpMod."""
+def compare_fields(defense: str) -> tuple[str, ...]:
+    """The keys a ``[[defenses]]`` table of ``defense`` may set besides ``name`` and ``defense``, derived
+    from the models: none for ``none`` (no guard runs), ``LocalDpConfig``'s for ``localdp`` (Flower's
+    LocalDpMod), else the defense's own GuardConfig fields (``defense_fields``) less
+    NOT_IN_COMPARISONS."""
+    if defense == "none":
+        return ()
+    if defense == "localdp":
+        return tuple(LocalDpConfig.model_fields)
+    return tuple(name for name in defense_fields(defense) if name not in NOT_IN_COMPARISONS)
+
+
+#: Every key some ``[[defenses]]`` table may set (DefenseSpec's fields besides name and defense).
+SPEC_FIELDS = tuple(dict.fromkeys(name for defense in DEFENSES for name in compare_fields(defense)))
+
+
+class _DefenseSpec(StrictModel):
+    """One defense to compare: a guard defense (its GuardConfig fields) or Flower's LocalDpMod
+    (``localdp``: LocalDpConfig's fields); ``DefenseSpec`` adds one optional field per SPEC_FIELDS."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="a label; also the run directory's name")
     defense: Literal["none", "gaussian", "eigen", "fixed-gaussian", "pruning", "localdp"]
-    # GuardConfig fields (validated by GuardConfig itself)
-    min_rmse: float | None = None
-    max_psnr: float | None = Field(None, description="the floor in pixel PSNR (dB); the dataset's normalisation "
-                                                     "fills pixel_mean/pixel_std unless given")
-    pixel_mean: float | None = None
-    pixel_std: float | None = None
-    clip_per_sample: float | None = None
-    eps_mode: str | None = None
-    eps: float | None = None
-    max_rel_noise: float | None = None
-    on_unmet: str | None = None
-    seed: int | None = None
-    subspace_size: int | None = None
-    krylov_steps: int | None = None
-    rtol: float | None = None
-    sigma: float | None = None
-    keep_ratio: float | None = None
-    input_bounds: Literal["batch"] | None = Field(None, description="'batch': verify the floor for an attacker "
-                                                                    "that clips to the data's box")
-    gaussian_floor: float | None = None
-    # LocalDpMod fields
-    clipping_norm: float | None = None
-    sensitivity: float | None = None
-    epsilon: float | None = None
-    delta: float | None = None
 
-    def values(self, names: tuple[str, ...]) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+    def values(self) -> dict[str, Any]:
+        """The fields this table sets (its defense's, the unset ones left out)."""
+        return {name: getattr(self, name) for name in compare_fields(self.defense) if getattr(self, name) is not None}
 
     @model_validator(mode="after")
-    def _fits_its_defense(self) -> "DefenseSpec":
-        guard_values, dp_values = self.values(GUARD_FIELDS), self.values(LOCALDP_FIELDS)
+    def _fits_its_defense(self) -> "_DefenseSpec":
+        allowed = compare_fields(self.defense)
+        given = {name: getattr(self, name) for name in SPEC_FIELDS if getattr(self, name) is not None}
+        foreign = [name for name in given if name not in allowed]
+        if foreign:
+            takes = f"takes {', '.join(allowed)}" if allowed else "runs no guard and takes no other key"
+            raise ValueError(f"{', '.join(foreign)} {'does' if len(foreign) == 1 else 'do'} not apply to defense="
+                             f"{self.defense!r}" + (" (Flower's LocalDpMod)" if self.defense == "localdp" else "")
+                             + f", which {takes}")
+        listed = [name for name, value in given.items() if not isinstance(value, (bool, int, float, str))]
+        if listed:
+            raise ValueError(f"{', '.join(listed)}: a comparison passes its defenses as run-config values, which "
+                             "are numbers, strings or booleans (per-channel values need your own app)")
         if self.defense == "localdp":
-            if guard_values:
-                raise ValueError(f"defense 'localdp' (Flower's LocalDpMod) takes {', '.join(LOCALDP_FIELDS)}, "
-                                 f"not {', '.join(guard_values)}")
-            LocalDpConfig(**dp_values)
-        else:
-            if dp_values:
-                raise ValueError(f"{', '.join(dp_values)} belong to defense 'localdp', not {self.defense!r}")
-            if self.defense != "none":  # a PSNR floor's normalisation comes from the dataset (run_config)
-                stand_in = {"pixel_mean": 0.0, "pixel_std": 1.0} if self.max_psnr is not None else {}
-                GuardConfig(defense=self.defense, **{**stand_in, **guard_values})
+            LocalDpConfig(**given)
+        elif self.defense != "none":  # a PSNR floor's normalisation comes from the dataset (run_config)
+            stand_in = {"pixel_mean": 0.0, "pixel_std": 1.0} if self.max_psnr is not None else {}
+            GuardConfig(defense=self.defense, **{**stand_in, **given})
         return self
+
+
+def _spec_field(name: str) -> tuple[Any, Any]:
+    """DefenseSpec's field ``name``: optional, described as in the model of the defenses taking it."""
+    takers = [d for d in DEFENSES if name in compare_fields(d)]
+    model = LocalDpConfig if takers == ["localdp"] else guard_config_model(takers[0])
+    return Any, Field(None, description=f"{', '.join(takers)}: {model.model_fields[name].description or name}")
+
+
+DefenseSpec = create_model("DefenseSpec", __base__=_DefenseSpec, __module__=__name__,
+                           __doc__=_DefenseSpec.__doc__, **{name: _spec_field(name) for name in SPEC_FIELDS})
 
 
 class CompareConfig(StrictModel):
@@ -202,18 +209,21 @@ class CompareConfig(StrictModel):
         if attack.uploads is not None:
             config["attack-uploads"] = attack.uploads
         config["attack-upload-iterations"] = attack.upload_iterations
-        config["guard-defense"] = ""  # unset unless a guard defense runs (the app's pyproject may set one)
-        if spec.defense == "localdp":
-            config.update({f"localdp-{k.replace('_', '-')}": v for k, v in spec.values(LOCALDP_FIELDS).items()})
-        elif spec.defense != "none":
-            config["guard-defense"] = spec.defense
-            config.update({f"guard-{k.replace('_', '-')}": v for k, v in self.guard_values(spec).items()})
+        # Every guard-* and localdp-* key, "" where unset: the app's pyproject defaults cannot leak in.
+        config.update(guard_run_config(self.guard_config(spec)))
+        config.update(localdp_run_config(LocalDpConfig(**spec.values()) if spec.defense == "localdp" else None))
         return config
+
+    def guard_config(self, spec: DefenseSpec) -> GuardConfig | None:
+        """The GuardConfig the clients of ``spec``'s run build (None for ``none`` and ``localdp``)."""
+        if spec.defense in ("none", "localdp"):
+            return None
+        return GuardConfig(defense=spec.defense, **self.guard_values(spec))
 
     def guard_values(self, spec: DefenseSpec) -> dict[str, Any]:
         """The defense's GuardConfig fields; a PSNR floor gets the task dataset's own normalisation
         (the one the clients' inputs went through) unless the config gives it."""
-        values = spec.values(GUARD_FIELDS)
+        values = spec.values()
         if spec.max_psnr is not None and (spec.pixel_mean is None or spec.pixel_std is None):
             from flguard.flower.task import load_dataset
 

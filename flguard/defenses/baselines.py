@@ -31,12 +31,19 @@ def pruning(ctx: DefenseContext) -> torch.Tensor:
     return torch.where(mask, g, torch.zeros_like(g))
 
 
+def gaussian_mechanism_std(sensitivity: float, epsilon: float, delta: float) -> float:
+    """The Gaussian mechanism's noise std s = Δ·√(2 ln(1.25/δ))/ε for sensitivity Δ (Dwork & Roth,
+    Thm A.1) — the rule of Flower's LocalDpMod. Written once: the guard's ``localdp`` defense and
+    ``flguard.flower.dp.LocalDpConfig.std`` both call it."""
+    return sensitivity * math.sqrt(2 * math.log(1.25 / delta)) / epsilon
+
+
 def local_dp(ctx: DefenseContext) -> torch.Tensor:
-    """Clip to ``clip_norm`` then add N(0, s²I), s = C√(2 ln(1.25/δ))/ε — Flower's LocalDpMod rule
-    (sensitivity = clipping norm)."""
+    """Clip to ``clipping_norm`` then add N(0, s²I), s = ``gaussian_mechanism_std(sensitivity, epsilon,
+    delta)`` — Flower's LocalDpMod rule with its argument names, on the step's gradient."""
     cfg, g = ctx.config, ctx.gradient
-    clipped = g * min(1.0, cfg.clip_norm / max(float(g.norm()), 1e-30))
-    std = cfg.clip_norm * math.sqrt(2 * math.log(1.25 / cfg.dp_delta)) / cfg.dp_epsilon
+    clipped = g * min(1.0, cfg.clipping_norm / max(float(g.norm()), 1e-30))
+    std = gaussian_mechanism_std(cfg.sensitivity, cfg.epsilon, cfg.delta)
     ctx.info["dp_std"] = std
     return clipped + std * torch.randn(g.shape, generator=ctx.generator, dtype=g.dtype, device=g.device)
 

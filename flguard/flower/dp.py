@@ -21,27 +21,13 @@ import numpy as np
 from flwr.app import Context, Message, MessageType, MetricRecord
 from flwr.clientapp.mod import LocalDpMod
 from flwr.clientapp.typing import ClientAppCallable, Mod
-from pydantic import Field
 
-from flguard.config import StrictModel
 from flguard.flower.guard_mod import error_reply, prefixed_config
 from flguard.flower.task import LOCAL_STEPS_KEY, LR_KEY
+from flguard.guard_config import LocalDpConfig  # the same fields (and std formula) as the guard's localdp
 
 DP_METRIC_KEYS = ("dp_noise_norm", "dp_rel_noise")
-
-
-class LocalDpConfig(StrictModel):
-    """The arguments of Flower's ``LocalDpMod``; noise std = sensitivity·√(2 ln(1.25/δ))/ε."""
-
-    clipping_norm: float = Field(gt=0.0, description="clip the model update θK − θ0 to this norm")
-    sensitivity: float = Field(gt=0.0, description="sensitivity in the noise formula (usually = clipping_norm)")
-    epsilon: float = Field(gt=0.0, description="ε of the Gaussian mechanism")
-    delta: float = Field(1e-5, gt=0.0, lt=1.0, description="δ of the Gaussian mechanism")
-
-    @property
-    def std(self) -> float:
-        """The per-coordinate noise standard deviation LocalDpMod adds to the model."""
-        return self.sensitivity * math.sqrt(2 * math.log(1.25 / self.delta)) / self.epsilon
+__all__ = ["LocalDpConfig", "measured_local_dp", "localdp_mod_from_config", "localdp_run_config", "DP_METRIC_KEYS"]
 
 
 def _norm(arrays: list[np.ndarray]) -> float:
@@ -80,6 +66,13 @@ def measured_local_dp(config: LocalDpConfig) -> Mod:
         return reply
 
     return mod
+
+
+def localdp_run_config(config: LocalDpConfig | None, prefix: str = "localdp-") -> dict[str, float | str]:
+    """``config`` as run-config keys ``<prefix><field>`` (every LocalDpConfig field; all ``""`` for
+    none, which leaves ``localdp_mod_from_config`` inert)."""
+    values = config.model_dump() if config is not None else {}
+    return {f"{prefix}{name.replace('_', '-')}": values.get(name, "") for name in LocalDpConfig.model_fields}
 
 
 def localdp_mod_from_config(prefix: str = "localdp-") -> Mod:

@@ -41,7 +41,8 @@ from flwr.common.secure_aggregation.secaggplus_constants import Stage as SecAggS
 from torch import nn
 
 from flguard.guard import Guard, GuardFailure
-from flguard.guard_config import THRESHOLD_DEFENSES, GuardConfig
+from flguard.config import ConfigError
+from flguard.guard_config import THRESHOLD_DEFENSES, GuardConfig, all_guard_fields
 from flguard.guard_report import METRIC_KEYS, GuardReport, summarise
 from flguard.guard_session import GuardSession, active_session, open_session
 
@@ -174,6 +175,30 @@ def prefixed_config(run_config: Mapping[str, Any], prefix: str) -> dict[str, Any
             if key.startswith(prefix) and value != ""}
 
 
+def guard_run_config(config: GuardConfig | None, prefix: str = "guard-") -> dict[str, bool | float | int | str]:
+    """``config`` as run-config keys ``<prefix><field>`` (underscores as dashes): one key per field of
+    *any* defense (``all_guard_fields``), ``""`` (unset) for a field ``config``'s defense does not take
+    or leaves None, every key ``""`` for no guard. Complete on purpose: defaults declared in an app's
+    pyproject cannot leak into the guard. ``guard_config_from_run_config`` reads it back."""
+    values = config.model_dump() if config is not None else {}
+    keys: dict[str, bool | float | int | str] = {}
+    for name in all_guard_fields():
+        value = values.get(name)
+        if isinstance(value, (tuple, list)):
+            raise ConfigError(f"{type(config).__name__}.{name}: value={value!r} is not allowed: a run config "
+                              "carries numbers, strings and booleans (give a scalar, or 'batch' for input_bounds)")
+        keys[f"{prefix}{name.replace('_', '-')}"] = "" if value is None else value
+    return keys
+
+
+def guard_config_from_run_config(run_config: Mapping[str, Any], prefix: str = "guard-") -> GuardConfig | None:
+    """The guard's config from ``<prefix><field>`` keys (``""`` = unset), or None when ``<prefix>defense``
+    is unset. The defense's own model validates the rest, so a key of another defense set to a value
+    is an error naming its field (ConfigError)."""
+    values = prefixed_config(run_config, prefix)
+    return GuardConfig(**values) if values.get("defense") else None
+
+
 def weaker_fields(candidate: GuardConfig, minimum: GuardConfig) -> list[str]:
     """The ways ``candidate`` promises less than ``minimum`` ([] when it is at least as strict).
 
@@ -191,8 +216,9 @@ def weaker_fields(candidate: GuardConfig, minimum: GuardConfig) -> list[str]:
                             f"{least_scale or ''}: give it in the client's unit")
         elif value is None or (value < least if unit == "min_rmse" else value > least):
             problems.append(f"{unit}={value} is weaker than the client's {unit}={least}")
-    if minimum.input_bounds is not None and candidate.input_bounds is None:
-        problems.append(f"input_bounds=None drops the client's box-aware floor (input_bounds={minimum.input_bounds!r})")
+    least_box = getattr(minimum, "input_bounds", None)  # only the threshold defenses take a box
+    if least_box is not None and getattr(candidate, "input_bounds", None) is None:
+        problems.append(f"input_bounds=None drops the client's box-aware floor (input_bounds={least_box!r})")
     if candidate.eps_mode != minimum.eps_mode:
         problems.append(f"eps_mode={candidate.eps_mode!r} differs from the client's {minimum.eps_mode!r}")
     elif candidate.eps < minimum.eps:
@@ -216,8 +242,7 @@ def client_minimum(context: Context, minimum: GuardConfig | None, prefix: str) -
     (``flower-supernode --node-config "guard-defense='gaussian' guard-min-rmse=0.1"``), else None."""
     if minimum is not None:
         return minimum
-    values = prefixed_config(context.node_config, prefix)
-    return GuardConfig(**values) if values.get("defense") else None
+    return guard_config_from_run_config(context.node_config, prefix)
 
 
 def guard_mod_from_run_config(prefix: str = "guard-", minimum: GuardConfig | None = None,
@@ -237,10 +262,9 @@ def guard_mod_from_run_config(prefix: str = "guard-", minimum: GuardConfig | Non
     def mod(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
         if not _is_train(message):
             return call_next(message, context)
-        values = prefixed_config(context.run_config, prefix)
         try:
             floor = client_minimum(context, minimum, node_prefix)
-            config = GuardConfig(**values) if values.get("defense") else floor
+            config = guard_config_from_run_config(context.run_config, prefix) or floor
         except ValueError as error:
             return error_reply(message, f"bad guard configuration: {error}")
         if config is None:
@@ -257,6 +281,6 @@ def guard_mod_from_run_config(prefix: str = "guard-", minimum: GuardConfig | Non
     return mod
 
 
-__all__ = ["guard_mod", "guard_mod_from_run_config", "weaker_fields", "client_minimum", "guard_step", "GuardDropped", "GuardSession", "session_problem",
+__all__ = ["guard_mod", "guard_mod_from_run_config", "guard_run_config", "guard_config_from_run_config", "weaker_fields", "client_minimum", "guard_step", "GuardDropped", "GuardSession", "session_problem",
            "active_session", "round_metrics",
            "METRIC_KEYS"]

@@ -28,20 +28,11 @@ class RegularisedK:
 
     def __init__(self, op: Jacobian, eps: torch.Tensor | float | None = None) -> None:
         self.op = op
+        #: (B, dx, dx): B blocks, each dx × dx; dtype and device those of the operator's inputs.
+        self.shape: tuple[int, int, int] = (op.batch_size, op.dx, op.dx)
+        self.dtype: torch.dtype = op.dtype
+        self.device: torch.device = op.device
         self.eps = None if eps is None else torch.as_tensor(eps, dtype=op.dtype, device=op.device).expand(op.batch_size)
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """(B, dx, dx): B blocks, each dx × dx."""
-        return (self.op.batch_size, self.op.dx, self.op.dx)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.op.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.op.device
 
     def with_eps(self, eps: torch.Tensor | float | None) -> RegularisedK:
         """The same K with another ε (the operator's cached pullbacks are shared)."""

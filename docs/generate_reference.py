@@ -256,8 +256,8 @@ API: list[tuple[str, str, list[str]]] = [
         "guard_config_model", "defense_fields", "all_guard_fields"]),
     ("flguard.training", "Guarding an unchanged training loop", ["GuardedOptimizer", "GuardedCriterion",
                                                                  "GuardMisuse"]),
-    ("flguard.risk", "Risk metrics", ["assess", "RiskReport", "architecture_index", "JacobianOperator", "lanczos",
-                                     "conjugate_gradient"]),
+    ("flguard.risk", "Risk metrics", ["assess", "RiskReport", "architecture_index", "JacobianOperator", "RegularisedK",
+                                     "lanczos", "conjugate_gradient"]),
     ("flguard.attacks", "Attacks", ["reconstruct", "Reconstruction", "hyperparameters_of", "methods",
                                     "recover_labels"]),
     ("flguard.flower", "Flower integration, client side", [

@@ -21,7 +21,7 @@ from flguard.defenses import BASELINES, DIRECTIONS, DefenseContext, draw_generat
 from flguard.defenses.gaussian import gaussian_direction
 from flguard.guard_config import THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard_report import GuardOutput, GuardReport
-from flguard.risk.assess import i2f_norms, i2f_solve
+from flguard.risk.assess import i2f_norms, i2f_solve, jacobian_product
 from flguard.risk.closed_forms import from_rmse, i2f_lower_bound, to_rmse
 from flguard.risk.operator import ClippedJacobian, Jacobian, JacobianOperator, LossFn
 from flguard.risk.regularised import RegularisedK
@@ -137,7 +137,7 @@ class Guard:
                                            at_least=1.0 if floor > 0 else 0.0)
         info["rmse_unbounded"] = to_rmse(shift.norm(dim=1) * scale, op.dx)
         noise = vector * scale
-        jd = op.j(noise.expand(op.batch_size, 1, -1)).squeeze(1).norm(dim=1) if floor > 0 else unit_jd * scale
+        jd = jacobian_product(op, noise).norm(dim=1) if floor > 0 else unit_jd * scale
         info = {"scale": float(scale), **_summaries({**direction.info, **info})}
         if reachable and not bool((rmse >= cfg.floor * (1 + cfg.rtol)).all()):  # non-finite arithmetic
             raise GuardFailure("the floor could not be verified on the realised noise")

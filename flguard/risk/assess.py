@@ -136,14 +136,20 @@ def assess(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, loss_fn: LossF
     return report
 
 
+def jacobian_product(op: Jacobian, delta: torch.Tensor) -> torch.Tensor:
+    """J_iδ per sample [B, dx] for a shared ``delta`` [dθ] or one per sample [B, dθ]: the input-space
+    image of a perturbation (its norm is the numerator of I2F's lower bound)."""
+    per_sample = delta.expand(op.batch_size, -1) if delta.ndim == 1 else delta
+    return op.j(per_sample.unsqueeze(1)).squeeze(1)
+
+
 def i2f_solve(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float) -> tuple[torch.Tensor, ...]:
     """((K_i+ε_iI)⁻¹J_iδ [B, dx], ‖J_iδ‖, converged) per sample — I2F's definition, written once.
 
     The solution is the predicted shift of sample i's best reconstruction (model-input units).
     ``delta`` is shared [dθ] or per sample [B, dθ]; the CG stops on the error bound ‖r‖/ε.
     """
-    per_sample = delta.expand(op.batch_size, -1) if delta.ndim == 1 else delta
-    b = op.j(per_sample.unsqueeze(1)).squeeze(1)
+    b = jacobian_product(op, delta)
     solved = RegularisedK(op, eps).solve(b, rtol=rtol)
     return solved.solution, b.norm(dim=1), solved.converged
 
@@ -163,7 +169,7 @@ def _i2f(op: JacobianOperator, report: RiskReport, wanted: set[str], delta: torc
         converged &= solved
         report.rmse_i2f = to_rmse(report.i2f, op.dx)
     else:
-        jd_norm = op.j(delta.expand(op.batch_size, 1, -1)).squeeze(1).norm(dim=1)
+        jd_norm = jacobian_product(op, delta).norm(dim=1)
     if {"i2f_lb", "rmse_i2f_lb"} & wanted:
         report.i2f_lb = i2f_lower_bound(jd_norm, report.lambda_max)
         report.rmse_i2f_lb = to_rmse(report.i2f_lb, op.dx)

@@ -20,6 +20,7 @@ from torch import nn
 from flguard.defenses import BASELINES, DIRECTIONS, DefenseContext, draw_generator
 from flguard.defenses.gaussian import gaussian_direction
 from flguard.guard_config import THRESHOLD_DEFENSES, GuardConfig
+from flguard.guard_exclusion import excludable, kept_gradient, reachable_at
 from flguard.guard_report import GuardOutput, GuardReport
 from flguard.risk.assess import i2f_norms, i2f_solve, jacobian_product
 from flguard.risk.closed_forms import from_rmse, i2f_lower_bound, to_rmse
@@ -40,6 +41,7 @@ class _Outcome:
     met: bool
     reason: str = ""
     info: dict = field(default_factory=dict)
+    update: torch.Tensor | None = None  # the upload without left-out samples (``max_excluded``); None: all kept
 
 
 class Guard:
@@ -80,7 +82,8 @@ class Guard:
             reason=outcome.reason, matvecs=op.applications, seconds=0.0, min_rmse=cfg.floor, details=outcome.info)
         if outcome.met or cfg.defense not in THRESHOLD_DEFENSES:
             report.seconds = time.perf_counter() - start
-            return GuardOutput((flat + outcome.noise).view_as(gradient), report)
+            base = flat if outcome.update is None else outcome.update
+            return GuardOutput((base + outcome.noise).view_as(gradient), report)
         return self._apply_policy(flat, gradient, report, start)
 
     # -- measuring and perturbing -----------------------------------------------------------
@@ -133,11 +136,19 @@ class Guard:
             scale_e, _, _ = self._fit(op.x, shift, cfg.floor, budget / float(vector.norm()))
             vector, shift = scale_z * z + scale_e * vector, scale_z * shift_z + scale_e * shift
             info["rmse_gaussian_part"] = rmse_z
-        scale, rmse, reachable = self._fit(op.x, shift, cfg.floor, budget / max(float(vector.norm()), 1e-30),
-                                           at_least=1.0 if floor > 0 else 0.0)
+        limit, at_least = budget / max(float(vector.norm()), 1e-30), 1.0 if floor > 0 else 0.0
+        scale, rmse, reachable = self._fit(op.x, shift, cfg.floor, limit, at_least)
+        keep = None
+        if not (reachable and float(vector.norm()) * scale <= budget):
+            keep = self._protectable(op, shift, limit)
+            if keep is not None:
+                scale, rmse, reachable = self._fit(op.x, shift, cfg.floor, limit, at_least, keep=keep)
+                info["excluded"] = int((~keep).sum())
         info["rmse_unbounded"] = to_rmse(shift.norm(dim=1) * scale, op.dx)
         noise = vector * scale
         jd = jacobian_product(op, noise).norm(dim=1) if floor > 0 else unit_jd * scale
+        if keep is not None:  # a left-out sample is not in the update: nothing of it to recover
+            jd = torch.where(keep, jd, torch.full_like(jd, float("inf")))
         info = {"scale": float(scale), **_summaries({**direction.info, **info})}
         if reachable and not bool((rmse >= cfg.floor * (1 + cfg.rtol)).all()):  # non-finite arithmetic
             raise GuardFailure("the floor could not be verified on the realised noise")
@@ -149,7 +160,19 @@ class Guard:
                                f"{float(noise.norm()) / max(float(ctx.gradient.norm()), 1e-30):.3g}× the gradient norm")
                             + f"{'' if reachable else ' or more (input_bounds clip the predicted error)'}; "
                             f"budget max_rel_noise={cfg.max_rel_noise}", info)
-        return _Outcome(noise, rmse, _rmse_lb(jd, ctx.lambda_max, op.dx), ctx.eps, True, "", info)
+        update = None if keep is None else kept_gradient(op, ctx.gradient, keep)
+        return _Outcome(noise, rmse, _rmse_lb(jd, ctx.lambda_max, op.dx), ctx.eps, True, "", info, update)
+
+    def _protectable(self, op: Jacobian, shift: torch.Tensor, limit: float) -> torch.Tensor | None:
+        """The samples to keep when the budget (scale ``limit`` of the direction) cannot protect the
+        whole batch, or None when leaving the others out is not allowed (``max_excluded``, the
+        per-sample path) or would not help."""
+        cfg = self.config
+        if cfg.max_excluded <= 0 or _base(op).coupled:
+            return None
+        bounds = None if cfg.bounds is None else _bounds(cfg.bounds, op.x)
+        keep = reachable_at(op.x, shift, bounds, limit, cfg.floor, cfg.rtol)
+        return keep if not bool(keep.all()) and excludable(keep, cfg.max_excluded) else None
 
     def _solve(self, ctx: DefenseContext, vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """I2F's shift (K_i+εI)⁻¹J_i·vector [B, dx] and ‖J_i·vector‖, checked."""
@@ -161,16 +184,28 @@ class Guard:
         return shift, jd
 
     def _fit(self, x: torch.Tensor, shift: torch.Tensor, tau: float, limit: float,
-             at_least: float = 0.0) -> tuple[float, torch.Tensor, bool]:
+             at_least: float = 0.0, keep: torch.Tensor | None = None) -> tuple[float, torch.Tensor, bool]:
         """(c ≥ at_least, RMSE per sample of c·shift, reachable within scale ``limit``): the smallest
-        scale at which every sample's predicted RMSE reaches τ — the I2F RMSE ‖c·Δx‖/√dx, aimed at
-        τ(1 + 2·rtol), or with ``input_bounds`` the clipped one (``_box_scale``)."""
+        scale at which every (kept) sample's predicted RMSE reaches τ — the I2F RMSE ‖c·Δx‖/√dx, aimed
+        at τ(1 + 2·rtol), or with ``input_bounds`` the clipped one (``_box_scale``). Left-out samples
+        (``keep`` False) are not in the update: their RMSE is +inf."""
+        cfg = self.config
+        if keep is not None:
+            box = None if cfg.bounds is None else tuple(b.expand_as(x)[keep] for b in _bounds(cfg.bounds, x))
+            scale, kept, reachable = self._fit_all(x[keep], shift[keep], tau, limit, at_least, box=box)
+            rmse = torch.full((x.shape[0],), float("inf"), dtype=kept.dtype, device=kept.device)
+            rmse[keep] = kept
+            return scale, rmse, reachable
+        return self._fit_all(x, shift, tau, limit, at_least)
+
+    def _fit_all(self, x: torch.Tensor, shift: torch.Tensor, tau: float, limit: float, at_least: float,
+                 box: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[float, torch.Tensor, bool]:
         cfg, dx = self.config, shift.shape[1]
         unit = shift.norm(dim=1)
         linear = max(from_rmse(tau * (1 + 2 * cfg.rtol), dx) / float(unit.min()), at_least)
         if cfg.bounds is None:  # the budget is checked on the final noise
             return linear, to_rmse(unit * linear, dx), True
-        low, high = _bounds(cfg.bounds, x)
+        low, high = box if box is not None else _bounds(cfg.bounds, x)
         return _box_scale(x, shift, low, high, tau, cfg.rtol, linear, max(limit, linear))
 
     # -- fail closed ------------------------------------------------------------------------
@@ -214,6 +249,10 @@ def _checked_gradient(gradient: torch.Tensor, model: nn.Module) -> torch.Tensor:
     if not bool(torch.isfinite(gradient).all()):
         raise GuardFailure("gradient contains NaN or Inf")
     return gradient.detach().reshape(-1)
+
+
+def _base(op: Jacobian) -> JacobianOperator:
+    return op.op if isinstance(op, ClippedJacobian) else op
 
 
 def _budget_noise(flat: torch.Tensor, cfg: GuardConfig, generator: torch.Generator) -> torch.Tensor:

@@ -225,10 +225,19 @@ class ThresholdGuardConfig(GuardConfig):
     reconstruction to this box — the predicted error is clip(x + Δx) − x instead of Δx — a promise
     never weaker than without it, which closes the gap to box-constrained attacks (GS). With
     ``max_psnr`` and no ``input_bounds`` the box defaults to the pixel box [0, 1] (``bounds``).
+
+    ``max_excluded``: on a trained model a few samples of a batch can need far more noise than the
+    budget allows (with the box, a sample whose predicted shift points out of it keeps a small
+    clipped error at any noise). Up to this share of the batch, such samples are left out of the
+    step — their gradients are not in the update, which then carries nothing of them — and the
+    others are guarded as usual (``flguard.guard_exclusion``); beyond it, ``on_unmet`` applies.
     """
 
     input_bounds: tuple[float | tuple[float, ...], float | tuple[float, ...]] | Literal["batch"] | None = Field(
         None, description="(low, high) box of valid inputs in model-input units (scalar or per channel), or 'batch'")
+    max_excluded: float = Field(0.0, ge=0.0, lt=1.0, description="share of a batch that may be left out of the "
+                                "step when the budget cannot protect it (its gradient is then not sent); "
+                                "0: the whole step is withheld instead")
 
     @model_validator(mode="after")
     def _bounds_are_a_box(self) -> "ThresholdGuardConfig":

@@ -1,0 +1,69 @@
+"""Leaving out of a step the samples that the noise budget cannot protect.
+
+On a trained model a few samples of a batch can need far more noise than the rest: with the pixel
+box (``input_bounds``) an attacker clips its reconstruction, and a sample whose predicted shift
+points mostly out of the box (MNIST's black background, a saturated digit stroke) keeps a clipped
+error below τ at any noise the budget allows. Withholding the whole update for it throws away the
+other samples' step, and over a local round of many steps one such sample withholds the round.
+
+The rigorous alternative is to send the step without that sample: on the per-sample path the
+upload is c Σ_i u_i(x_i) (u_i the sample's — possibly clipped — gradient) and sample i's block
+J_i depends on x_i alone, so removing sample j's term leaves every other block, and so every
+other sample's certified I²F for the realised noise, exactly as it was; the update no longer
+depends on x_j at all, so nothing about x_j leaves in this step. The kept samples' floor is then
+fitted and verified as usual. Only the per-sample path qualifies: with train-mode BatchNorm or a
+loss that does not split per sample every block depends on the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flguard.risk.operator import ClippedJacobian, JacobianOperator
+
+
+def reachable_at(x: torch.Tensor, shift: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor] | None,
+                 scale: float, tau: float, rtol: float) -> torch.Tensor:
+    """[B] bool: which samples' certified RMSE reaches τ at noise ``scale`` × the unit direction.
+
+    ``shift`` [B, dx] is I²F's Δx for the unit direction (CG's solution, within rtol of the exact
+    one). Without bounds the bound is the linear one ‖c·Δx̃‖/√dx ≥ τ(1 + 2·rtol); with a box
+    (low, high), broadcastable to x, the clipped error minus CG's slack, as the guard verifies it.
+    """
+    root = math.sqrt(shift.shape[1])
+    target = tau * (1 + 2 * rtol)
+    if bounds is None:
+        return shift.norm(dim=1) * scale / root >= target
+    low, high = bounds
+    moved = torch.clamp(x + scale * shift.view_as(x), low, high) - x
+    certified = moved.flatten(1).norm(dim=1) / root - rtol * scale * shift.norm(dim=1) / root
+    return certified >= target
+
+
+def excludable(keep: torch.Tensor, max_share: float) -> bool:
+    """Whether leaving out ``~keep`` stays within ``max_share`` of the batch and keeps someone."""
+    left_out = int((~keep).sum())
+    return bool(keep.any()) and left_out <= math.floor(max_share * keep.numel() + 1e-9)
+
+
+def kept_gradient(op: JacobianOperator | ClippedJacobian, flat: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The upload without the left-out samples: c Σ_{i kept} u_i, checked against ``flat``.
+
+    ``flat`` is the whole batch's upload (the clipped sum with ``clip_per_sample``); the per-sample
+    terms are recomputed here and must add up to it, so nothing else hidden in ``flat`` (a term the
+    guard did not measure) could ride along with the kept samples.
+    """
+    base = op.op if isinstance(op, ClippedJacobian) else op
+    if base.coupled:
+        raise ValueError("samples can be left out only on the per-sample path (no train-mode BatchNorm, a loss "
+                         "that splits per sample)")
+    per = base.per_sample_gradients()
+    if isinstance(op, ClippedJacobian):
+        per = per * op.factor.unsqueeze(1)
+    whole = base.scale * per.sum(0)
+    if float((whole.to(flat) - flat).norm()) > 1e-3 * float(flat.norm()) + 1e-12:
+        raise ValueError("the gradient given is not the batch loss's gradient at (model, x, y): samples cannot "
+                         "be left out of it")
+    return (base.scale * per[keep].sum(0)).to(flat)

@@ -1,0 +1,125 @@
+"""Leaving out the samples the budget cannot protect (``max_excluded``), against dense float64 references.
+
+The guard may send a step without its hardest samples instead of withholding it. Checked with
+autograd Jacobians and ``torch.linalg.solve``, never the guard's own numbers: the update sent is
+exactly the kept samples' (clipped) gradients plus the noise, every kept sample's I²F for that
+noise meets τ, every left-out sample is one the budget could not protect, and without
+``max_excluded`` (or beyond it) the same step is withheld.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from flguard import Guard, GuardConfig
+from flguard.risk.operator import JacobianOperator
+
+from risk_reference import dense_jacobians
+
+TAU = 0.2
+
+
+def _problem(batch: int = 4, seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)).double()
+    x = torch.randn(batch, 1, 6, 6, dtype=torch.float64)
+    y = torch.randint(0, 3, (batch,))
+    return model, x, y
+
+
+def _per_sample(model, x, y) -> torch.Tensor:
+    return JacobianOperator(model, x, y).per_sample_gradients() / x.shape[0]  # mean loss: (1/B) g_i
+
+
+def _shift(jac: torch.Tensor, delta: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    kernel = jac @ jac.transpose(1, 2)
+    eye = torch.eye(jac.shape[1], dtype=jac.dtype)
+    return torch.linalg.solve(kernel + eps.view(-1, 1, 1) * eye, (jac @ delta).unsqueeze(-1)).squeeze(-1)
+
+
+def _needs(model, x, y, defense: str, seed: int):
+    """Per-sample RMSE at a large scale with everything kept: the realised direction and each sample's need."""
+    jac, g = dense_jacobians(model, x, y)
+    out = Guard(GuardConfig(defense=defense, min_rmse=TAU, seed=seed, max_rel_noise=1e6)).protect(model, x, y, g)
+    assert out.report.met
+    delta = out.gradient - g
+    rmse = _shift(jac, delta, out.report.eps).norm(dim=1) / x[0].numel() ** 0.5
+    need = float(delta.norm()) * TAU / rmse  # noise norm at which each sample's I²F RMSE is τ (linear in the scale)
+    return jac, g, need
+
+
+@pytest.mark.parametrize("defense", ["gaussian", "eigen"])
+def test_the_hardest_sample_is_left_out_and_the_rest_meet_the_floor(defense):
+    model, x, y = _problem()
+    jac, g, need = _needs(model, x, y, defense, seed=3)
+    order = need.argsort()
+    budget = float((need[order[-1]] + need[order[-2]]) / 2)  # enough for all but the hardest sample
+    cfg = dict(defense=defense, min_rmse=TAU, seed=3, max_rel_noise=budget / float(g.norm()))
+
+    withheld = Guard(GuardConfig(**cfg)).protect(model, x, y, g)
+    assert not withheld.report.met and withheld.gradient is None
+
+    out = Guard(GuardConfig(**cfg, max_excluded=0.25)).protect(model, x, y, g)
+    assert out.report.met and out.gradient is not None
+    hardest = int(order[-1])
+    kept = [i for i in range(len(x)) if i != hardest]
+    assert out.report.details["excluded"] == 1
+    assert torch.isinf(out.report.rmse_after[hardest])
+    delta = out.gradient - _per_sample(model, x, y)[kept].sum(0)  # sent = kept gradients + noise, exactly
+    torch.testing.assert_close(float(delta.norm()), out.report.noise_norm)
+    assert float(delta.norm()) <= budget * (1 + 1e-9)
+    rmse = _shift(jac[kept], delta, out.report.eps[kept]).norm(dim=1) / x[0].numel() ** 0.5
+    assert bool((rmse >= TAU).all()), rmse
+    # the left-out sample could not have met τ within the budget along this noise's direction
+    left = _shift(jac[[hardest]], delta / delta.norm() * budget, out.report.eps[[hardest]])
+    assert float(left.norm()) / x[0].numel() ** 0.5 < TAU
+
+
+def test_beyond_max_excluded_the_step_is_withheld():
+    model, x, y = _problem()
+    _, g, need = _needs(model, x, y, "gaussian", seed=5)
+    order = need.argsort()
+    budget = float((need[order[-2]] + need[order[-3]]) / 2)  # the two hardest cannot be protected
+    cfg = dict(defense="gaussian", min_rmse=TAU, seed=5, max_rel_noise=budget / float(g.norm()))
+    assert Guard(GuardConfig(**cfg, max_excluded=0.25)).protect(model, x, y, g).gradient is None
+    out = Guard(GuardConfig(**cfg, max_excluded=0.5)).protect(model, x, y, g)
+    assert out.report.met and out.report.details["excluded"] == 2
+    assert torch.isinf(out.report.rmse_after[order[-2:]]).all()
+
+
+def test_a_gradient_that_is_not_the_batch_loss_cannot_shed_samples():
+    model, x, y = _problem()
+    _, g, need = _needs(model, x, y, "gaussian", seed=7)
+    budget = float(need.sort().values[-2:].mean())
+    cfg = GuardConfig(defense="gaussian", min_rmse=TAU, seed=7, max_rel_noise=budget / float(g.norm()), max_excluded=0.5)
+    out = Guard(cfg).protect(model, x, y, g + 0.1 * g.norm() * torch.randn_like(g) / g.numel() ** 0.5)
+    assert out.gradient is None and "not the batch loss's gradient" in out.report.reason
+
+
+def test_max_excluded_is_validated():
+    with pytest.raises(ValueError, match="max_excluded"):
+        GuardConfig(defense="gaussian", max_excluded=1.5)
+    with pytest.raises(ValueError, match="max_excluded"):
+        GuardConfig(defense="fixed-gaussian", max_excluded=0.1)
+
+
+def test_with_the_box_the_kept_samples_meet_the_clipped_floor():
+    """With ``input_bounds`` the promise is about the box-clipped error: checked with dense solves."""
+    model, x, y = _problem()
+    x = x.clamp(-1.0, 1.0)  # many pixels on the box's faces: clipping removes much of their error
+    jac, g = dense_jacobians(model, x, y)
+    base = dict(defense="gaussian", min_rmse=TAU, seed=11, input_bounds=(-1.0, 1.0))
+    full = Guard(GuardConfig(**base, max_rel_noise=1e6)).protect(model, x, y, g)
+    assert full.report.met
+    cfg = dict(base, max_rel_noise=0.8 * full.report.noise_norm / float(g.norm()))  # short of the hardest
+    assert Guard(GuardConfig(**cfg)).protect(model, x, y, g).gradient is None
+    out = Guard(GuardConfig(**cfg, max_excluded=0.5)).protect(model, x, y, g)
+    assert out.report.met and out.report.details["excluded"] >= 1
+    kept = torch.isfinite(out.report.rmse_after)
+    delta = out.gradient - _per_sample(model, x, y)[kept].sum(0)
+    torch.testing.assert_close(float(delta.norm()), out.report.noise_norm)
+    shift = _shift(jac[kept], delta, out.report.eps[kept])
+    clipped = (torch.clamp(x[kept] + shift.view_as(x[kept]), -1.0, 1.0) - x[kept]).flatten(1)
+    assert bool((clipped.norm(dim=1) / x[0].numel() ** 0.5 >= TAU).all())

@@ -173,21 +173,16 @@ def guard_field_table(names: tuple[str, ...]) -> str:
 def defense_keys_table() -> str:
     """Which keys each ``defense`` of a ``[[defenses]]`` table takes (``compare_fields``)."""
     from flguard.compare.config import compare_fields
-    from flguard.guard_config import DEFENSES, GuardConfig, defense_fields
+    from flguard.guard_config import DEFENSES, GuardConfig
 
-    common = set(defense_fields("none")) & set(compare_fields("gaussian"))
+    common = [k for k in compare_fields("gaussian") if k in GuardConfig.model_fields]
     rows = ["| `defense` | keys it may set besides `name` and `defense` |", "| --- | --- |"]
     for defense in DEFENSES:
-        keys = compare_fields(defense)
-        own = [k for k in keys if k not in GuardConfig.model_fields]
-        if defense == "localdp":
-            text = ", ".join(f"`{k}`" for k in keys) + " (Flower's LocalDpMod)"
-        elif not keys:
-            text = "none (no guard runs)"
-        else:
-            text = "the common guard fields" + (" and " + ", ".join(f"`{k}`" for k in own) if own else "")
+        keys, own = compare_fields(defense), [f"`{k}`" for k in compare_fields(defense) if k not in common]
+        text = ("none (no guard runs)" if not keys else ", ".join(own) + " (Flower's LocalDpMod)"
+                if defense == "localdp" else "the common guard fields" + (" and " + ", ".join(own) if own else ""))
         rows.append(f"| `{defense}` | {text} |")
-    return "\n".join(rows) + f"\n\nThe common guard fields: {', '.join(f'`{k}`' for k in sorted(common, key=list(GuardConfig.model_fields).index))}."
+    return "\n".join(rows) + "\n\nThe common guard fields: " + ", ".join(f"`{k}`" for k in common) + "."
 
 
 def error_example() -> str:

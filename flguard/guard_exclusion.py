@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from flguard.risk.closed_forms import to_rmse
 from flguard.risk.operator import ClippedJacobian, JacobianOperator
 
 
@@ -32,13 +33,13 @@ def reachable_at(x: torch.Tensor, shift: torch.Tensor, bounds: tuple[torch.Tenso
     one). Without bounds the bound is the linear one ‖c·Δx̃‖/√dx ≥ τ(1 + 2·rtol); with a box
     (low, high), broadcastable to x, the clipped error minus CG's slack, as the guard verifies it.
     """
-    root = math.sqrt(shift.shape[1])
+    dx = shift.shape[1]
     target = tau * (1 + 2 * rtol)
     if bounds is None:
-        return shift.norm(dim=1) * scale / root >= target
+        return to_rmse(shift.norm(dim=1) * scale, dx) >= target
     low, high = bounds
     moved = torch.clamp(x + scale * shift.view_as(x), low, high) - x
-    certified = moved.flatten(1).norm(dim=1) / root - rtol * scale * shift.norm(dim=1) / root
+    certified = to_rmse(moved.flatten(1).norm(dim=1) - rtol * scale * shift.norm(dim=1), dx)
     return certified >= target
 
 

@@ -10,7 +10,8 @@ import torch
 #: Numeric keys every guarded train reply carries, every round (FedAvg refuses inconsistent keys).
 #: The one list of them: ``summarise`` builds every metrics dict from it, in this order.
 METRIC_KEYS = ("guard_met", "guard_dropped", "guard_min_rmse_after", "guard_median_rmse_after",
-               "guard_min_rmse_lb_after", "guard_noise_norm", "guard_rel_noise", "guard_matvecs", "guard_seconds")
+               "guard_min_rmse_lb_after", "guard_noise_norm", "guard_rel_noise", "guard_matvecs", "guard_seconds",
+               "guard_excluded", "guard_samples")
 
 
 @dataclass
@@ -20,7 +21,8 @@ class GuardReport:
     ``rmse_after`` is ``assess``'s ``rmse_i2f`` with δ = the noise actually added (NaN when
     measurement failed; without noise it is 0: a perfect attacker recovers the sample);
     ``rmse_lb_after`` the lower bound's RMSE for the same δ; ``met`` is true only when every
-    sample's ``rmse_after`` ≥ ``min_rmse``; ``reason`` says why not.
+    sample's ``rmse_after`` ≥ ``min_rmse``; ``reason`` says why not. A sample left out of the step
+    (``max_excluded``; counted in ``details["excluded"]``) has +inf: its gradient is not sent.
     """
 
     rmse_after: torch.Tensor
@@ -52,7 +54,8 @@ def summarise(reports: Sequence[GuardReport], dropped: bool = False) -> dict[str
 
     ``met`` only if every step met the floor; the smallest RMSE (and lower bound) over the steps,
     -1 when some step measured nothing (its RMSEs are NaN); the median over every finite sample
-    RMSE; the largest noise; the total cost. One report gives that step's own summary.
+    RMSE; the largest noise; the total cost; the samples left out (``max_excluded``) and the samples
+    guarded, over all steps. One report gives that step's own summary.
     """
     after = torch.cat([r.rmse_after for r in reports])
     after = after[torch.isfinite(after)]
@@ -63,6 +66,7 @@ def summarise(reports: Sequence[GuardReport], dropped: bool = False) -> dict[str
         min(_worst(r.rmse_lb_after) for r in reports),
         max(r.noise_norm for r in reports), max(r.rel_noise for r in reports),
         sum(float(r.matvecs) for r in reports), sum(r.seconds for r in reports),
+        float(sum(int(r.details.get("excluded", 0)) for r in reports)), float(sum(len(r.rmse_after) for r in reports)),
     )
     return dict(zip(METRIC_KEYS, values, strict=True))
 

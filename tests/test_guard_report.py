@@ -23,8 +23,20 @@ def test_summarise_is_the_worst_sample_over_steps(nan_step):
     metrics = summarise([first, second])
     assert round_metrics([first, second]) == metrics  # the Flower layer's round summary is the same
     assert tuple(metrics) == METRIC_KEYS
-    expected = ([0.0, 0.0, -1.0, 0.2, -1.0, 3.0, 0.3, 17.0, 0.75] if nan_step else
-                [1.0, 0.0, 0.05, 0.2, 0.005, 3.0, 0.3, 17.0, 0.75])
+    expected = ([0.0, 0.0, -1.0, 0.2, -1.0, 3.0, 0.3, 17.0, 0.75, 0.0, 5.0] if nan_step else
+                [1.0, 0.0, 0.05, 0.2, 0.005, 3.0, 0.3, 17.0, 0.75, 0.0, 5.0])
     assert list(metrics.values()) == pytest.approx(expected)
     assert first.metrics(dropped=True) == pytest.approx(dict(zip(METRIC_KEYS, [1.0, 1.0, 0.1, 0.2, 0.01, 2.0, 0.2,
-                                                                                10.0, 0.5])))
+                                                                                10.0, 0.5, 0.0, 3.0])))
+
+
+def test_left_out_samples_are_counted_and_do_not_count_as_the_worst():
+    inf = float("inf")
+    step = GuardReport(rmse_after=torch.tensor([0.3, inf, 0.2, inf]), rmse_lb_after=torch.tensor([0.1, inf, 0.05, inf]),
+                       eps=torch.zeros(4), noise_norm=1.0, rel_noise=0.1, met=True, defense="eigen", reason="",
+                       matvecs=4, seconds=0.1, details={"excluded": 2})
+    other = _report([0.25, 0.4], [0.02, 0.03], True, 2.0, 3, 0.2)
+    metrics = summarise([step, other])
+    assert metrics["guard_excluded"] == 2.0 and metrics["guard_samples"] == 6.0
+    assert metrics["guard_min_rmse_after"] == pytest.approx(0.2) and metrics["guard_min_rmse_lb_after"] == pytest.approx(0.02)
+    assert metrics["guard_median_rmse_after"] == pytest.approx(0.25)

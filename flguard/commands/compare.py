@@ -49,14 +49,17 @@ def _fmt(value: Any, spec: str) -> str:
 def summary_table(summaries: list[dict[str, Any]], title: str) -> Table:
     """The one-screen summary printed at the end of a comparison."""
     table = Table(title=title)
-    for column in ("defense", "final acc", "best PSNR dB", "median PSNR dB", "RMSE ≥ τ", "mean ‖δ‖/‖g‖",
-                   "guard/train time", "run s"):
+    for column in ("defense", "final acc", "best PSNR dB", "median PSNR dB", "RMSE ≥ τ", "withheld",
+                   "left out", "mean ‖δ‖/‖g‖", "guard/train time", "run s"):
         table.add_column(column, justify="right")
     for s in summaries:
         share = None if s["tau_met_share"] is None else 100 * s["tau_met_share"]
+        left_out = s.get("excluded_share")
         table.add_row(s["defense"], _fmt(s["final_accuracy"], ".3f"), _fmt(s["attack_psnr_best"], ".1f"),
                       _fmt(s["attack_psnr_median"], ".1f"),
-                      "–" if share is None else f"{share:.0f}% (τ={s['tau']:g})", _fmt(s["mean_rel_noise"], ".3g"),
+                      "–" if share is None else f"{share:.0f}% (τ={s['tau']:g})",
+                      f"{s['dropped_updates']}", "–" if left_out is None else f"{100 * left_out:.1f}%",
+                      _fmt(s["mean_rel_noise"], ".3g"),
                       _fmt(s["guard_overhead"], ".0f") + ("×" if s["guard_overhead"] is not None else ""),
                       _fmt(s["run_seconds"], ".0f"))
     return table

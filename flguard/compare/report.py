@@ -55,6 +55,7 @@ COSTS: tuple[Column, ...] = (
     ("guard_seconds", "guard (s)", _SEC, None),
     ("train_seconds", "train (s)", _SEC, None),
     ("dropped_updates", "dropped updates", _INT, "min"),
+    ("excluded_share", "samples left out", _PCT, "min"),
     ("run_seconds", "run (s)", _SEC, None),
 )
 

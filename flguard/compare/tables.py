@@ -33,12 +33,13 @@ ROUND_COLUMNS = ("round", "defense", "client", "test_accuracy", "test_loss", "gr
 # ``error``: why the client's train reply carried no update (e.g. the guard withheld it).
 EXTRA_ROUND_COLUMNS = ("kind", "num_examples", "train_loss", "guard_met", "error", "median_pred_rmse",
                        "attack_rmse_pixels", "attack_label_accuracy", "attack_batch_size", "attack_seconds",
-                       "attack_labels", "attack_image", "attack_error", "attack_target", "attack_rmse_samples")
+                       "attack_labels", "attack_image", "attack_error", "attack_target", "attack_rmse_samples",
+                       "excluded_samples", "guarded_samples")
 SUMMARY_COLUMNS = ("defense", "kind", "tau", "rounds", "final_accuracy", "final_loss", "attacks", "attack_psnr_min",
                    "attack_psnr_median", "attack_psnr_best", "attack_ssim_best", "attack_rmse_min", "tau_met_share",
                    "mean_rel_noise", "mean_noise_norm", "guard_overhead", "guard_seconds", "train_seconds",
                    "dropped_updates", "run_seconds", "probe_attacks", "probe_tau_met_share", "upload_attacks",
-                   "upload_attack_psnr_best", "upload_attack_rmse_min", "upload_tau_met_share")
+                   "upload_attack_psnr_best", "upload_attack_rmse_min", "upload_tau_met_share", "excluded_share")
 PROBE, UPLOAD = "probe", "fedavg-upload"  # the values of attack_target (flguard.server.uploads)
 
 
@@ -125,6 +126,9 @@ def defense_rows(config: CompareConfig, name: str, directory: Path) -> list[dict
                 "attack_image": f"runs/{name}/{attack['tensors']}" if attack.get("tensors") else None,
                 "attack_target": (attack.get("attack_target") or PROBE) if attack else None,
                 "attack_rmse_samples": attack.get("rmse_input_samples") or None,
+                # samples left out of the round's steps (max_excluded) and samples guarded in them
+                "excluded_samples": _number(t.get("guard_excluded")) if uploaded else None,
+                "guarded_samples": _number(t.get("guard_samples")) if uploaded else None,
             }
             rows.append(row)
     return rows
@@ -192,7 +196,14 @@ def summary_row(config: CompareConfig, name: str, rows: Sequence[Mapping[str, An
         "probe_attacks": len(probes), "probe_tau_met_share": tau_met_share(probes, tau),
         "upload_attacks": len(uploaded), "upload_attack_psnr_best": max(upload_psnr, default=None),
         "upload_attack_rmse_min": min(upload_rmse, default=None), "upload_tau_met_share": tau_met_share(uploaded, tau),
+        "excluded_share": _share(uploads, "excluded_samples", "guarded_samples"),
     }
+
+
+def _share(rows: Sequence[Mapping[str, Any]], part: str, whole: str) -> float | None:
+    """Σ part / Σ whole over the rows that report both (None when none does)."""
+    pairs = [(r[part], r[whole]) for r in rows if r.get(part) is not None and r.get(whole)]
+    return sum(p for p, _ in pairs) / sum(w for _, w in pairs) if pairs else None
 
 
 def write_csv(path: Path, columns: Sequence[str], rows: Iterable[Mapping[str, Any]]) -> Path:

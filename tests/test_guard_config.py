@@ -35,8 +35,9 @@ OWN = {
 COMMON = {"min_rmse": 0.2, "eps": 0.02, "rtol": 1e-2, "seed": 3, "clip_per_sample": 1.0, "max_rel_noise": 40.0}
 FOREIGN = [(defense, name) for defense in DEFENSES for name in all_guard_fields()
            if name != "defense" and name not in defense_fields(defense)]
-#: A valid value for every field, so that a rejection can only be about the defense.
-VALUE = {name: value for fields in OWN.values() for name, value in fields.items()}
+#: A valid value for every field (its default, or OWN's), so that a rejection can only be about the defense.
+VALUE = {**{name: info.default for model in DEFENSE_MODELS.values() for name, info in model.model_fields.items()},
+         **{name: value for fields in OWN.values() for name, value in fields.items()}}
 
 
 @pytest.mark.parametrize("defense", DEFENSES)

@@ -133,7 +133,10 @@ class _DefenseSpec(StrictModel):
         given = {name: getattr(self, name) for name in SPEC_FIELDS if getattr(self, name) is not None}
         foreign = [name for name in given if name not in allowed]
         if foreign:
-            takes = f"takes {', '.join(allowed)}" if allowed else "runs no guard and takes no other key"
+            own = [name for name in allowed if name not in GuardConfig.model_fields]
+            takes = ("runs no guard and takes no other key" if not allowed else f"takes {', '.join(own)}"
+                     if self.defense == "localdp" else "takes the common guard fields"
+                     + (f" and {', '.join(own)}" if own else ""))
             raise ValueError(f"{', '.join(foreign)} {'does' if len(foreign) == 1 else 'do'} not apply to defense="
                              f"{self.defense!r}" + (" (Flower's LocalDpMod)" if self.defense == "localdp" else "")
                              + f", which {takes}")

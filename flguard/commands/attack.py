@@ -114,8 +114,10 @@ def attack_command(
     method: str = typer.Option("gs", help="Attack (flguard.attacks): gs, dlg, ..."),
     defense: str = typer.Option("none", help="The guard's defense applied to the upload before the attack "
                                 "(gaussian, eigen, fixed-gaussian, pruning, localdp); none: the raw gradient."),
-    guard: list[str] = typer.Option([], "--guard", help="A GuardConfig field key=value (repeatable), e.g. "
-                                    "min_rmse=0.5, max_psnr=20, seed=0; needs --defense."),
+    guard: list[str] = typer.Option([], "--guard", help="A field of the --defense's GuardConfig, key=value "
+                                    "(repeatable), e.g. min_rmse=0.5, max_psnr=20, seed=0, sigma=0.01 "
+                                    "(fixed-gaussian), clipping_norm/sensitivity/epsilon (localdp, required); "
+                                    "a field the defense does not take is an error."),
     samples: int = typer.Option(1, min=1, help="Batch size B of the attacked upload."),
     iterations: int | None = typer.Option(None, min=1, help="Attack iterations (default: the method's published preset)."),
     restarts: int = typer.Option(1, min=1, help="Random restarts, optimised together."),

@@ -12,8 +12,20 @@ For B = 1 FedSGD uploads of LeNet (uniform init) on MNIST-5k and LFW faces, ever
 - scores on [0, 1] pixels: MSE, SSIM, PSNR.
 Reported: Spearman ρ (scipy.stats.spearmanr) of every proxy with every score, per dataset and attack.
 
+``--trained`` (issue 12; seed 001 measured trained networks, and "untrained" was this study's first
+suspect for the non-reproduction): the model is warm-started as the demo's server does it
+(``flguard.flower.task.initial_model``: Adam, lr 1e-3, batches of 32, seeded) on a public split
+of each dataset — 1,000 examples of MNIST-5k (the demo's), half of the 200 LFW images — for as many
+Adam steps as the demo's 6 epochs on 1,000 examples (192), and the samples are drawn from outside
+the public split. Its accuracy on the rest is printed. ``--model cnn`` uses Flower's quickstart
+CNN (ReLU, PyTorch's default init; the demo's model) instead of the LeNet. A ``loss`` column
+(cross-entropy of each sample) is added: on a trained model it, not the label, is the natural
+confound of every proxy.
+
     python benchmarks/study_lavp.py            # CPU default: 50 samples per dataset, short attacks
     python benchmarks/study_lavp.py --full --device cuda
+    python benchmarks/study_lavp.py --trained                 # LeNet warm-started on public data
+    python benchmarks/study_lavp.py --trained --model cnn     # the demo's CNN, warm-started as the demo
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from flguard.attacks import reconstruct
 from flguard.risk import assess
 from flguard.risk.operator import JacobianOperator
 
+DEMO_PRETRAIN_STEPS = 6 * 32  # the demo: 6 epochs over 1,000 public examples in batches of 32
 PROXIES = ("grad_norm", "lmax", "lmin", "lmin_flguard", "cos_max", "cos_min", "fusion")
 SCORES = ("mse", "ssim", "psnr")
 ATTACKS = {"dlg": "L2 (DLG)", "gs": "cosine (GS)"}
@@ -53,13 +66,45 @@ def exact_proxies(model, x, y) -> dict:
             "cos_max": float(cos[-1]), "cos_min": cos_min, "fusion": (lmax * cos_min) ** 0.5}
 
 
+def trained_model_and_batch(dataset: str, args):
+    """(model, x, y, data, accuracy): ``args.model`` warm-started on a public split of ``dataset``
+    as the demo does it, and ``args.samples`` examples from outside that split."""
+    import math
+
+    import numpy as np
+
+    from flguard.flower.task import TaskSettings, evaluate_model, initial_model, load_dataset, public_indices
+
+    data = load_dataset(dataset)
+    public = min(1000, len(data) // 2)
+    epochs = math.ceil(DEMO_PRETRAIN_STEPS / math.ceil(public / 32))
+    settings = TaskSettings(model=args.model, dataset=dataset, init=args.init, seed=args.seed,
+                            public_examples=public, pretrain_epochs=epochs)
+    model = initial_model(settings).eval()
+    private = np.setdiff1d(np.arange(len(data)), public_indices(dataset, public, args.seed))
+    _, accuracy = evaluate_model(model, data.subset(private))
+    chosen = torch.as_tensor(np.random.default_rng(args.seed).permutation(private)[:args.samples])
+    print(f"  {dataset}: {args.model} trained on {public} public examples, {epochs} epochs: "
+          f"{100 * accuracy:.1f}% on the other {len(private)}", flush=True)
+    x = data.normalize(data.images[chosen])
+    return model.to(args.device), x.to(args.device), data.labels[chosen].to(args.device), data, accuracy
+
+
 def measure(dataset: str, args) -> list[dict]:
-    model, xs, ys, data = model_and_batch("lenet", dataset, args.samples, seed=args.seed, device=args.device)
+    if args.trained:
+        model, xs, ys, data, accuracy = trained_model_and_batch(dataset, args)
+    else:
+        model, xs, ys, data = model_and_batch(args.model, dataset, args.samples, init=args.init, seed=args.seed,
+                                              device=args.device)
+        accuracy = float("nan")
     flguard = assess(model, xs, ys, loss_fn=sum_loss, metrics=("grad_norm", "lambda_max", "lambda_min"))
     rows = []
     for i in range(args.samples):
         x, y = xs[i:i + 1], ys[i:i + 1]
-        row = {"dataset": dataset, "sample": i, "label": int(y), **exact_proxies(model, x, y),
+        with torch.no_grad():
+            loss = float(F.cross_entropy(model(x), y))
+        row = {"dataset": dataset, "sample": i, "label": int(y), "loss": loss, "model_accuracy": accuracy,
+               **exact_proxies(model, x, y),
                "lmax_flguard": float(flguard.lambda_max[i]), "lmin_flguard": float(flguard.lambda_min[i])}
         g = flat_gradient(model, x, y)
         recs = {"dlg": reconstruct(model, g, x.shape[1:], method="dlg", labels=y, iterations=args.dlg_steps,
@@ -89,7 +134,7 @@ def correlations(rows: list[dict]) -> list[dict]:
     return table
 
 
-def figure(rows: list[dict], table: list[dict], path) -> None:
+def figure(rows: list[dict], table: list[dict], path, title: str | None = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -106,7 +151,7 @@ def figure(rows: list[dict], table: list[dict], path) -> None:
                        c=[r["label"] for r in part], cmap="tab10", vmin=0, vmax=9)
             ax.set(xscale="log", yscale="log", xlabel=proxy, ylabel=f"{attack.upper()} MSE (pixels)")
             ax.set_title(f"{dataset}: {proxy} vs {ATTACKS[attack]}, ρ={rho:.2f}", fontsize=9)
-    fig.suptitle("colour = label (the untrained model's gradient norm is mostly set by the label)", fontsize=10)
+    fig.suptitle(title or "colour = label (the untrained model's gradient norm is mostly set by the label)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -114,6 +159,9 @@ def figure(rows: list[dict], table: list[dict], path) -> None:
 def main() -> None:
     parser = study_argparser(__doc__)
     parser.add_argument("--datasets", nargs="+", default=["mnist5k", "lfw-faces"])
+    parser.add_argument("--model", default="lenet", help="lenet (the seed's) or cnn (the demo's)")
+    parser.add_argument("--trained", action="store_true", help="warm-start on a public split as the demo does "
+                        "(issue 12); samples from outside it")
     parser.add_argument("--samples", type=int, default=None, help="per dataset (default 50; --full 100)")
     parser.add_argument("--dlg-steps", type=int, default=None, help="L-BFGS step calls of 20 its (3; --full 50)")
     parser.add_argument("--gs-iterations", type=int, default=None, help="(80; --full 2000)")
@@ -121,13 +169,16 @@ def main() -> None:
     full = {"samples": 100, "dlg_steps": 50, "gs_iterations": 2000, "restarts": 3}
     cpu = {"samples": 50, "dlg_steps": 3, "gs_iterations": 80, "restarts": 1}
     args = parse_study_args(parser, full=full, cpu=cpu)
+    args.init = "uniform" if args.model == "lenet" else "default"
     start = time.perf_counter()
-    print(f"LAVP study: LeNet uniform init, B=1, {args.samples} samples per dataset; DLG {args.dlg_steps}×20 "
+    print(f"LAVP study: {args.model} {args.init} init{', trained on public data' if args.trained else ''}, B=1, {args.samples} samples per dataset; DLG {args.dlg_steps}×20 "
           f"L-BFGS, GS {args.gs_iterations} its (no TV), restarts {args.restarts}", flush=True)
     rows = [row for dataset in args.datasets for row in measure(dataset, args)]
     table = correlations(rows)
-    figure_path, table_path = study_paths("lavp")
-    write_table(rows, table_path.with_name("lavp_samples.csv"))
+    stem = "lavp" if not args.trained and args.model == "lenet" else \
+        f"lavp-{'trained-' if args.trained else ''}{args.model}"
+    figure_path, table_path = study_paths(stem)
+    write_table(rows, table_path.with_name(f"{stem}_samples.csv"))
     shown = [{**t, "rho (MSE / SSIM / PSNR)": f"{t['rho_mse']:+.2f} / {t['rho_ssim']:+.2f} / {t['rho_psnr']:+.2f}"}
              for t in table]
     write_table(table, table_path)
@@ -138,7 +189,8 @@ def main() -> None:
         part = [r for r in rows if r["dataset"] == dataset]
         rho = spearmanr([r["lmin_flguard"] for r in part], [r["lmin"] for r in part])[0]
         ratio = sorted(r["lmin_flguard"] / r["lmax"] for r in part)
-        pairs = [("grad_norm", "lmax"), ("grad_norm", "cos_min"), ("lmax", "cos_min"), ("dlg_mse", "gs_mse")]
+        pairs = [("grad_norm", "lmax"), ("grad_norm", "cos_min"), ("lmax", "cos_min"), ("dlg_mse", "gs_mse"),
+                 ("loss", "grad_norm"), ("loss", "lmax"), ("loss", "dlg_mse"), ("loss", "gs_mse")]
         print(f"{dataset}: ρ between " + ", ".join(
             f"{u}~{v} {spearmanr([r[u] for r in part], [r[v] for r in part])[0]:+.2f}" for u, v in pairs))
         for label in sorted({r["label"] for r in part}):
@@ -154,7 +206,8 @@ def main() -> None:
         print(f"{dataset}: flguard λmin (rtol 1e-3) vs dense λmin: ρ = {rho:+.2f}; flguard λmin/λmax "
               f"{ratio[0]:.1e}..{ratio[-1]:.1e}; median pixel MSE DLG "
               f"{sorted(r['dlg_mse'] for r in part)[len(part) // 2]:.2e}, GS {sorted(r['gs_mse'] for r in part)[len(part) // 2]:.2e}")
-    figure(rows, table, figure_path)
+    figure(rows, table, figure_path, title=f"colour = label; {args.model} trained on public data (issue 12)"
+           if args.trained else None)
     print(f"\nfigure {figure_path}\ntable {table_path}\nwall time {time.perf_counter() - start:.0f} s")
 
 

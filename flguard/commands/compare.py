@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -57,7 +58,7 @@ def summary_table(summaries: list[dict[str, Any]], title: str) -> Table:
         left_out = s.get("excluded_share")
         table.add_row(s["defense"], _fmt(s["final_accuracy"], ".3f"), _fmt(s["attack_psnr_best"], ".1f"),
                       _fmt(s["attack_psnr_median"], ".1f"),
-                      "–" if share is None else f"{share:.0f}% (τ={s['tau']:g})",
+                      "–" if share is None else f"{math.floor(10 * share) / 10:g}% (τ={s['tau']:.3g})",
                       f"{s['dropped_updates']}", "–" if left_out is None else f"{100 * left_out:.1f}%",
                       _fmt(s["mean_rel_noise"], ".3g"),
                       _fmt(s["guard_overhead"], ".0f") + ("×" if s["guard_overhead"] is not None else ""),

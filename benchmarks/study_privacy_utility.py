@@ -18,6 +18,14 @@ settings, so an interrupted run is completed by running the same command again.
 
     python benchmarks/study_privacy_utility.py           # CPU: R=10, K=12, lr 0.1, GS 300 / DLG 20
     python benchmarks/study_privacy_utility.py --full    # GPU scale: R=20, K=20, GS 1000 / DLG 50, + LFW
+    python benchmarks/study_privacy_utility.py --demo    # the demo's trained CNN task and attacker (issue 12)
+
+``--demo`` reruns the frontier on the main job's task instead (``simulations/default.toml``: the
+quickstart CNN warm-started on the server's public split, 3 rounds × 12 steps at B = 16, GS in
+strongest mode on a one-sample probe plus one honest client's real upload per round): LocalDpMod ε
+and pruning's keep ratio as before, and the guards at the demo's settings with the floor in pixel
+PSNR (``max_psnr`` 20 / 15 / 10 dB) — tables ``privacy_utility_cnn.csv``, figure
+``privacy_utility_cnn.png``.
 
 Writes docs/figures/privacy_utility[_lfw].png and benchmarks/results/privacy_utility[_lfw].csv.
 """
@@ -51,6 +59,31 @@ GRID = {  # in run order: the goal's families first, so a partial run still answ
 }
 
 
+#: The ``--demo`` grid: the guards' knob is the floor in pixel PSNR (dB), everything else the demo's.
+DEMO_GRID = {
+    "localdp": ("epsilon", (2100.0, 700.0, 210.0)),
+    "eigen": ("max_psnr", (20.0, 15.0, 10.0)),
+    "pruning": ("keep_ratio", (0.3, 0.1, 0.03)),
+    "gaussian": ("max_psnr", (20.0, 15.0, 10.0)),
+}
+
+
+def demo_config(args: argparse.Namespace) -> CompareConfig:
+    """The demo's task and attacker; one grid point per knob value, guards and LocalDpMod as in the demo."""
+    from flguard.compare.config import load_config
+
+    demo = load_config(ROOT / "simulations" / "default.toml")
+    base = {d.defense: d.model_dump(exclude_none=True, exclude_defaults=True) for d in demo.defenses}
+    specs = [{"name": "none", "defense": "none"}]
+    for family, (knob, values) in DEMO_GRID.items():
+        for value in values:
+            spec = {k: v for k, v in base.get(family, {}).items() if k != "name"}
+            spec.update({"name": f"{family}-{value:g}", "defense": family, knob: value})
+            specs.append(spec)
+    return CompareConfig.model_validate({**demo.model_dump(exclude={"defenses", "name"}),
+                                         "name": "privacy-utility: the demo's CNN", "defenses": specs})
+
+
 def defenses() -> list[dict]:
     """One [[defenses]] entry per grid point (name = family-value). Run order: none, then the goal's
     families (LocalDpMod is cheap, then eigen, then pruning), middle grid point first, so that an
@@ -80,7 +113,8 @@ def build_config(dataset: str, args: argparse.Namespace) -> CompareConfig:
 
 def knob_value(config: CompareConfig, name: str) -> float | None:
     spec = config.defense(name)
-    return None if spec.defense == "none" else getattr(spec, GRID[spec.defense][0])
+    grid = DEMO_GRID if spec.defense in ("gaussian", "eigen") and spec.max_psnr is not None else GRID
+    return None if spec.defense == "none" else getattr(spec, grid[spec.defense][0])
 
 
 def dominance(rows: list[dict], margin: float = 5.0) -> list[dict]:
@@ -131,7 +165,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def study(dataset: str, suffix: str, args: argparse.Namespace) -> None:
-    config = build_config(dataset, args)
+    config = demo_config(args) if args.demo else build_config(dataset, args)
     out = args.out / f"privacy_utility{suffix}"
     start = time.perf_counter()
 
@@ -156,7 +190,9 @@ def study(dataset: str, suffix: str, args: argparse.Namespace) -> None:
         writer.writeheader()
         writer.writerows(rows)
     t = config.task
-    plot(rows, figure, f"LeNet/{dataset}: {t.rounds} rounds × {t.local_steps} steps, GS {args.gs} + DLG {args.dlg}")
+    attack = (f"GS {config.attack.iterations} strongest (probe + real upload)" if args.demo
+              else f"GS {args.gs} + DLG {args.dlg}")
+    plot(rows, figure, f"{t.model}/{dataset}: {t.rounds} rounds × {t.local_steps} steps, {attack}")
 
     def fmt(v):
         return "" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
@@ -191,6 +227,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--lfw", action="store_true", help="also run LFW faces (always with --full)")
+    parser.add_argument("--demo", action="store_true", help="the demo's trained-CNN task, attacker and guards "
+                        "(simulations/default.toml); the guards' floor as max_psnr")
     parser.add_argument("--only", nargs="+", default=None, help="run only these grid points (names)")
     parser.add_argument("--report-only", dest="report_only", action="store_true",
                         help="run nothing: tables and figure from the finished grid points only (partial)")
@@ -201,6 +239,9 @@ def main() -> None:
     args.local_steps = args.local_steps or (20 if args.full else 12)
     args.gs = args.gs or (1000 if args.full else 300)
     args.dlg = args.dlg or (50 if args.full else 20)
+    if args.demo:
+        study("mnist5k", "_cnn", args)
+        return
     study("mnist5k", "", args)
     if args.full or args.lfw:
         study("lfw-faces", "_lfw", args)

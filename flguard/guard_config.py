@@ -37,8 +37,15 @@ from flguard.risk.defaults import DEFAULT_EPS_RELATIVE
 DEFENSES = ("none", "gaussian", "eigen", "fixed-gaussian", "pruning", "localdp")
 #: Defenses that promise a per-sample floor (the others are baselines reported honestly).
 THRESHOLD_DEFENSES = ("gaussian", "eigen")
-#: τ in model-input units when neither ``min_rmse`` nor ``max_psnr`` is given.
-DEFAULT_MIN_RMSE = 0.05
+#: The default floor, in pixel PSNR (dB): chosen from ``benchmarks/study_floor.py`` (docs/results.md,
+#: "The default floor"): on MNIST digits a reconstruction 15 dB from the truth is at the edge of
+#: recognisable for smooth or faded errors (the trained CNN reads 63–81% of them, SSIM ≤ 0.57) and
+#: still readable for pixel noise (88%); the guard's floor is a first-order worst case, and the
+#: demo's strongest attacks then land at ≈ 9–10 dB, where they recognise 0–1 of 3 probes.
+DEFAULT_MAX_PSNR = 15.0
+#: τ in model-input units when neither a floor nor the normalisation is given: the default PSNR for
+#: inputs that are raw [0, 1] pixels (≈ 0.178; it was 0.05 ≈ 26 dB there, 36 dB on normalised MNIST).
+DEFAULT_MIN_RMSE = 10 ** (-DEFAULT_MAX_PSNR / 20)
 
 Channels = float | tuple[float, ...]
 
@@ -123,7 +130,8 @@ class GuardConfig(StrictModel):
     A pixel error is the input error times its channel's std, so the pixel RMSE is at least
     min(std) × the input RMSE, and τ = 10^(−max_psnr/20) / min(std) in input units guarantees the
     pixel floor on every channel mix (``floor``). Give ``min_rmse`` or ``max_psnr``, not both; with
-    neither, τ = DEFAULT_MIN_RMSE input units.
+    neither, the floor is DEFAULT_MAX_PSNR (15 dB): as ``max_psnr`` when ``pixel_mean`` and
+    ``pixel_std`` are given, else as τ = DEFAULT_MIN_RMSE input units (15 dB for raw [0, 1] pixels).
 
     Why ``__new__`` dispatches: ``GuardConfig(...)`` is the public call in user code, run configs
     and TOML files, and it must keep working while each defense validates only its own fields.
@@ -135,7 +143,8 @@ class GuardConfig(StrictModel):
 
     defense: Literal["none", "gaussian", "eigen", "fixed-gaussian", "pruning", "localdp"] = "gaussian"
     min_rmse: float | None = Field(None, ge=0.0, description="τ: per-sample floor on predicted RMSE (model-input "
-                                   f"units); None: from max_psnr, else {DEFAULT_MIN_RMSE}")
+                                   f"units); None: from max_psnr, else {DEFAULT_MAX_PSNR:g} dB ({DEFAULT_MIN_RMSE:.3g} "
+                                   "for raw pixels)")
     max_psnr: float | None = Field(None, description="floor in pixel PSNR (dB, pixels in [0, 1]): no predicted "
                                    "reconstruction closer; needs pixel_mean and pixel_std; excludes min_rmse")
     pixel_mean: Channels | None = Field(None, description="max_psnr: the inputs' normalisation mean (pixels in [0, 1])")
@@ -153,9 +162,10 @@ class GuardConfig(StrictModel):
     rtol: float = Field(1e-3, gt=0.0, lt=0.1, description="solver tolerance")
 
     def __new__(cls, *args: Any, **data: Any) -> "GuardConfig":
-        if cls is GuardConfig:  # the public call: pick the defense's model (an unknown one fails in validation)
-            defense = data.get("defense", "gaussian")
-            cls = DEFENSE_MODELS.get(defense, GuardConfig) if isinstance(defense, str) else GuardConfig
+        if cls in (GuardConfig, ThresholdGuardConfig):  # pick the defense's model; an unknown or unfitting
+            defense = data.get("defense", "gaussian")  # defense stays here and fails in validation
+            model = DEFENSE_MODELS.get(defense) if isinstance(defense, str) else None
+            cls = model if model is not None and issubclass(model, cls) else cls
         return super().__new__(cls)
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> "GuardConfig":
@@ -177,9 +187,13 @@ class GuardConfig(StrictModel):
     @model_validator(mode="after")
     def _one_floor(self) -> "GuardConfig":
         if self.max_psnr is None:
-            if self.min_rmse is None:  # neither given (or max_psnr unset by assignment): the default floor
+            if self.min_rmse is not None:
+                return self
+            normalisation = self.pixel_mean is not None and self.pixel_std is not None
+            if not normalisation or "max_psnr" in self.model_fields_set:  # the default floor in input units
                 object.__setattr__(self, "min_rmse", DEFAULT_MIN_RMSE)
-            return self
+                return self
+            object.__setattr__(self, "max_psnr", DEFAULT_MAX_PSNR)  # the default floor, in pixels
         if self.min_rmse is not None:
             if "min_rmse" in self.model_fields_set:
                 raise ValueError(f"min_rmse={self.min_rmse} and max_psnr={self.max_psnr} both set a floor; "
@@ -233,6 +247,7 @@ class ThresholdGuardConfig(GuardConfig):
     others are guarded as usual (``flguard.guard_exclusion``); beyond it, ``on_unmet`` applies.
     """
 
+    defense: Literal["gaussian", "eigen"] = "gaussian"
     input_bounds: tuple[float | tuple[float, ...], float | tuple[float, ...]] | Literal["batch"] | None = Field(
         None, description="(low, high) box of valid inputs in model-input units (scalar or per channel), or 'batch'")
     max_excluded: float = Field(0.0, ge=0.0, lt=1.0, description="share of a batch that may be left out of the "

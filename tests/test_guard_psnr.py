@@ -15,7 +15,7 @@ from torch import nn
 
 from flguard import Guard, GuardConfig
 from flguard.config import ConfigError
-from flguard.guard_config import DEFAULT_MIN_RMSE
+from flguard.guard_config import DEFAULT_MAX_PSNR, DEFAULT_MIN_RMSE
 from risk_reference import dense_jacobians
 
 MEAN, STD = (0.5, 0.4), (0.2, 0.3)
@@ -44,7 +44,12 @@ def test_floor_and_box_conversion():
     assert scalar.bounds == pytest.approx((-0.1307 / 0.3081, 0.8693 / 0.3081))
     explicit = GuardConfig(max_psnr=30.0, pixel_mean=0.0, pixel_std=1.0, input_bounds="batch")
     assert explicit.bounds == "batch"
-    assert GuardConfig().floor == GuardConfig().min_rmse == DEFAULT_MIN_RMSE
+    assert GuardConfig().floor == GuardConfig().min_rmse == DEFAULT_MIN_RMSE == pytest.approx(10 ** (-15 / 20))
+    # the default floor is 15 dB: with the normalisation given it is max_psnr, with its pixel box
+    normalised = GuardConfig(pixel_mean=0.1307, pixel_std=0.3081)
+    assert normalised.max_psnr == DEFAULT_MAX_PSNR == 15.0 and normalised.min_rmse is None
+    assert normalised.floor == pytest.approx(10 ** (-15 / 20) / 0.3081)
+    assert normalised.bounds == pytest.approx((-0.1307 / 0.3081, 0.8693 / 0.3081))
     assert GuardConfig().bounds is None and GuardConfig(min_rmse=0.2).floor == 0.2
 
 

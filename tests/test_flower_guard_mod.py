@@ -326,3 +326,42 @@ def test_without_a_client_floor_the_run_config_still_chooses():
     guarded = _app([guard_mod_from_run_config()])(_message(MessageType.TRAIN, model), _client_context(
         {}, {"guard-defense": "gaussian", "guard-min-rmse": 0.05}))
     assert guarded.content.metric_records[task.METRICS_KEY]["guard_met"] == 1.0
+
+
+@pytest.mark.parametrize("defense", ["gaussian", "eigen"])
+def test_the_uploaded_arrays_meet_the_floor_under_an_independent_dense_i2f(defense):
+    """What left the client, not what the guard reports: δ is read off the uploaded arrays and each
+    sample's I²F is recomputed from autograd Jacobians with ``torch.linalg`` (issue 14 §5)."""
+    from risk_reference import dense_jacobians
+
+    torch.manual_seed(3)
+    tiny = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Tanh(), torch.nn.Flatten(),
+                               torch.nn.Linear(2 * 4 * 4, 3)).double()
+    x, y, lr, tau = torch.randn(3, 1, 6, 6, dtype=torch.float64), torch.tensor([0, 2, 1]), 0.05, 0.3
+    app = ClientApp(mods=[guard_mod(GuardConfig(defense=defense, min_rmse=tau, max_rel_noise=1e4))])
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        model = task.load_arrays(tiny, message.content.array_records[task.ARRAYS_KEY])
+        params = list(model.parameters())
+        grads = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)
+        with torch.no_grad():
+            for p, g in zip(params, guard_step(model, x, y, grads)):
+                p -= lr * g
+        return task.train_reply(message, model, task.LocalUpdate(x, y, 0.0, 1, 3))
+
+    start = torch.cat([p.detach().reshape(-1).clone() for p in tiny.parameters()])
+    jac, g = dense_jacobians(tiny, x, y)
+    content = RecordDict({task.ARRAYS_KEY: task.to_arrays(tiny),
+                          task.CONFIG_KEY: ConfigRecord({"lr": lr, "local-steps": 1, "batch-size": 3, "server-round": 1})})
+    reply = app(Message(content, dst_node_id=5, message_type=MessageType.TRAIN), _context())
+    assert not reply.has_error(), reply.error
+    uploaded = _flat(reply.content.array_records[task.ARRAYS_KEY]).double()
+    delta = (start - uploaded) / lr - g  # θ1 = θ0 − lr·(g + δ): the noise that was actually sent
+    assert float(delta.norm()) > 0
+    kernel = jac @ jac.transpose(1, 2)
+    eps = 1e-2 * torch.linalg.eigvalsh(kernel)[:, -1]  # the default ε = 1e-2·λmax, from eigh
+    eye = torch.eye(jac.shape[1], dtype=jac.dtype)
+    shift = torch.linalg.solve(kernel + eps.view(-1, 1, 1) * eye, (jac @ delta).unsqueeze(-1)).squeeze(-1)
+    rmse = shift.norm(dim=1) / jac.shape[1] ** 0.5
+    assert bool((rmse >= tau).all()), rmse

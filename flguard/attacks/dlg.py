@@ -24,11 +24,9 @@ import torch
 from torch import nn
 
 from flguard.attacks.base import Reconstruction, register
-from flguard.attacks.gs import pick_best
+from flguard.attacks.gs import matching_problem, pick_best
 from flguard.attacks.labels import last_layer_gradients
-from flguard.attacks.objectives import (MATCHING_DISTANCES, InputSpace, LossFn, project_out, project_target,
-                                       subspace_basis, total_variation)
-from flguard.attacks.unroll import make_observer
+from flguard.attacks.objectives import LossFn, project_out, total_variation
 
 DEFAULT_STEPS = 50
 DEFAULT_MAX_ITER = 20
@@ -57,20 +55,16 @@ def dlg(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[
     """
     start = time.perf_counter()
     steps = DEFAULT_STEPS if iterations is None else iterations
-    if distance not in MATCHING_DISTANCES:
-        raise ValueError(f"distance={distance!r} must be one of {', '.join(MATCHING_DISTANCES)}")
     if line_search not in (None, "strong_wolfe"):
         raise ValueError(f"line_search={line_search!r} must be None or 'strong_wolfe'")
     if max_iter < 1 or lr <= 0 or tv < 0:
         raise ValueError(f"max_iter={max_iter} must be >= 1, lr={lr} > 0, tv={tv} >= 0")
     if labels is None and not joint_labels:
         raise ValueError("dlg needs labels (or joint_labels=True)")
-    matching = MATCHING_DISTANCES[distance]
-    basis = subspace_basis(ignore_subspace, target)
-    target = project_target(target, basis)
-    space = InputSpace(input_shape, mean, std, device=device, dtype=target[0].dtype)
-    observer = make_observer(model, loss_fn, batch_size, local_steps=local_steps, local_lr=local_lr,
-                             local_batch_size=local_batch_size, local_batches=local_batches, mode=observer_mode)
+    matching, basis, target, space, observer = matching_problem(
+        model, loss_fn, target, distance, ignore_subspace, input_shape, mean, std, device, batch_size,
+        dict(local_steps=local_steps, local_lr=local_lr, local_batch_size=local_batch_size,
+             local_batches=local_batches, mode=observer_mode))
 
     x = space.initial(restarts, batch_size, init, generator).requires_grad_(True)
     variables = [x]

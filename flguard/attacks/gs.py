@@ -78,16 +78,12 @@ def gs(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[i
     start = time.perf_counter()
     iterations = DEFAULT_ITERATIONS if iterations is None else iterations
     weights = tuple(float(w) for w in (tv_sweep if tv_sweep is not None else STRONGEST_TVS if strongest else (tv,)))
-    if distance not in MATCHING_DISTANCES:
-        raise ValueError(f"distance={distance!r} must be one of {', '.join(MATCHING_DISTANCES)}")
     if not weights or min(weights) < 0 or tv < 0 or lr <= 0:
         raise ValueError(f"tv={tv} and tv_sweep={tv_sweep} must be >= 0 (and the sweep non-empty), lr={lr} > 0")
-    matching = MATCHING_DISTANCES[distance]
-    basis = subspace_basis(ignore_subspace, target)
-    target = project_target(target, basis)
-    space = InputSpace(input_shape, mean, std, device=device, dtype=target[0].dtype)
-    observer = make_observer(model, loss_fn, batch_size, local_steps=local_steps, local_lr=local_lr,
-                             local_batch_size=local_batch_size, local_batches=local_batches, mode=observer_mode)
+    matching, basis, target, space, observer = matching_problem(
+        model, loss_fn, target, distance, ignore_subspace, input_shape, mean, std, device, batch_size,
+        dict(local_steps=local_steps, local_lr=local_lr, local_batch_size=local_batch_size,
+             local_batches=local_batches, mode=observer_mode))
     candidates = restarts * len(weights)  # candidate c runs with TV weight weights[c // restarts]
     y = labels.to(device).unsqueeze(0).expand(candidates, *labels.shape)
     tv_of = torch.tensor(weights, device=device, dtype=target[0].dtype).repeat_interleave(restarts)
@@ -130,3 +126,18 @@ def gs(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[i
                                  "tv": weights[best // restarts],
                                  "sweep_losses": {w: float(final[k * restarts:(k + 1) * restarts].min())
                                                   for k, w in enumerate(weights)}})
+
+
+def matching_problem(model: nn.Module, loss_fn: LossFn | None, target: Sequence[torch.Tensor], distance: str,
+                     ignore_subspace: torch.Tensor | None, input_shape, mean, std, device, batch_size: int,
+                     unroll: dict) -> tuple:
+    """What every gradient-matching attack (GS, DLG) sets up first: the matching distance (checked),
+    the ignored parameter subspace and the target projected off it, the input space, and the
+    observer that maps candidate inputs to the upload they would produce (``unroll``: the K-step
+    FedAvg settings and observer mode of ``make_observer``)."""
+    if distance not in MATCHING_DISTANCES:
+        raise ValueError(f"distance={distance!r} must be one of {', '.join(MATCHING_DISTANCES)}")
+    basis = subspace_basis(ignore_subspace, target)
+    target = project_target(target, basis)
+    space = InputSpace(input_shape, mean, std, device=device, dtype=target[0].dtype)
+    return MATCHING_DISTANCES[distance], basis, target, space, make_observer(model, loss_fn, batch_size, **unroll)

@@ -153,6 +153,7 @@ def trained_setup(args) -> None:
         raise SystemExit("--trained supports one-channel data (MNIST): the box must be a scalar pair")
     args.box = (float(low), float(high))
     args.clip = configs[0].clip_per_sample
+    args.data_std = float(configs[0].pixel_std)  # one channel: the pixel RMSE is the input RMSE × std
 
 
 def trained_model_and_batch(args, count: int, offset: int):
@@ -349,6 +350,8 @@ def main() -> None:
     parser.add_argument("--gs-iterations-batch", type=int, default=None,
                         help="GS iterations at B=8 (as B=1; --trained 300)")
     parser.add_argument("--tag", default="", help="suffix of the output files")
+    parser.add_argument("--from-csv", default=None, help="print the tables of a finished run's per-sample CSV "
+                        "(same mode flags) instead of running")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.trained:
@@ -373,6 +376,11 @@ def main() -> None:
     if args.full:
         args.samples_b1, args.batches_b8 = max(args.samples_b1, 20), max(args.batches_b8, 3)
     start = time.perf_counter()
+    if args.from_csv:  # the tables again from a finished run's rows (no attack is rerun)
+        rows, minutes = read_rows(Path(args.from_csv)), float("nan")
+        table = summarise(rows)
+        report(args, rows, table, minutes)
+        return
     rows = run(args)
     minutes = (time.perf_counter() - start) / 60
     stem = ("promise-trained-" + args.model if args.trained else "promise") + (f"-{args.tag}" if args.tag else "")
@@ -380,6 +388,53 @@ def main() -> None:
     table = summarise(rows)
     write_csv(ROOT / "benchmarks" / "results" / f"{stem}_summary.csv", table)
     figure(rows, ROOT / "docs" / "figures" / f"{stem}.png")
+    report(args, rows, table, minutes)
+
+
+def read_rows(path: Path) -> list[dict]:
+    """A run's per-sample CSV back as rows of numbers and booleans (``--from-csv``)."""
+    def value(text: str):
+        if text in ("True", "False"):
+            return text == "True"
+        if text == "":
+            return float("nan")
+        try:
+            return int(text)
+        except ValueError:
+            try:
+                return float(text)
+            except ValueError:
+                return text
+    with open(path, newline="") as handle:
+        return [{k: value(v) for k, v in row.items()} for row in csv.DictReader(handle)]
+
+
+def per_sample(rows: list[dict], pct_tau) -> None:
+    """One line per sample (issue 12): each cell's best RMSE / τ over all attacks, and which attack."""
+    order = {"none": 0, "clip": 1}
+    defenses = sorted(dict.fromkeys(r["defense"] for r in rows), key=lambda d: order.get(d, 2))
+    cells = {(r["batch"], r["upload"], r["sample"], r["defense"]): r for r in rows}
+    print("| B | upload | sample | index | label | " + " | ".join(f"{d}: best/τ (attack)" for d in defenses) + " |")
+    print("| --- " * (5 + len(defenses)) + "|")
+    for key in dict.fromkeys((r["batch"], r["upload"], r["sample"]) for r in rows):
+        first = cells[(*key, defenses[0])]
+        out = []
+        for d in defenses:
+            r = cells.get((*key, d))
+            if r is None:
+                out.append("")
+            elif not r["sent"]:
+                out.append("withheld")
+            elif r.get("excluded"):
+                out.append(f"left out (nearest {pct_tau(r['nearest_any'], r['tau'])})")
+            else:
+                scores = {k[5:]: r[k] for k in r if k.startswith("rmse_") and r[k] == r[k]}
+                attack = min(scores, key=scores.get)
+                out.append(f"{pct_tau(scores[attack], r['tau'])} ({attack})")
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {first['index']} | {first['label']} | " + " | ".join(out) + " |")
+
+
+def report(args, rows: list[dict], table: list[dict], minutes: float) -> None:
     guarded = [r for r in rows if r["defense"] not in ("none", "clip")]
     sent = [r for r in guarded if r["sent"]]
     attacked = [r for r in sent if not r.get("excluded", False)]
@@ -414,18 +469,20 @@ def main() -> None:
                   f"{t['min_best_over_tau']:.3g} | {pct(t['kept'])} | {pct(t['kept_adaptive'])} | {pct(t['kept_all'])} | "
                   f"{pct(t['kept_all_with_left_out'])} |")
         print()
-        print("Samples where some attack came within τ of the truth (guarded, attacked):")
-        for r in attacked:
-            if r["best_all"] < r["tau"]:
-                attack = min((k for k in r if k.startswith("rmse_")), key=lambda k: r[k] if r[k] == r[k] else 1e9)
-                print(f"  B={r['batch']} upload {r['upload']} sample {r['sample']} (index {r['index']}, label {r['label']}) "
-                      f"{r['defense']}: {attack[5:]} RMSE {r[attack]:.3g} = {r[attack] / r['tau']:.2f} τ "
-                      f"({psnr(r[attack]):.1f} dB); predicted {r['predicted']:.3g}")
+        close = [r for r in attacked if r["best_all"] < r["tau"]]
+        print(f"Samples where some attack came within τ of the truth (guarded, attacked): {len(close) or 'none'}")
+        for r in close:
+            attack = min((k for k in r if k.startswith("rmse_")), key=lambda k: r[k] if r[k] == r[k] else 1e9)
+            print(f"  B={r['batch']} upload {r['upload']} sample {r['sample']} (index {r['index']}, label {r['label']}) "
+                  f"{r['defense']}: {attack[5:]} RMSE {r[attack]:.3g} = {r[attack] / r['tau']:.2f} τ "
+                  f"({psnr(r[attack]):.1f} dB); predicted {r['predicted']:.3g}")
         for r in sent:
             if r.get("excluded"):
                 print(f"  left out: B={r['batch']} upload {r['upload']} sample {r['sample']} (index {r['index']}, "
                       f"label {r['label']}) {r['defense']}: nearest reconstruction of any attack {r['nearest_any']:.3g} "
                       f"= {r['nearest_any'] / r['tau']:.2f} τ")
+        print()
+        per_sample(rows, lambda rmse, tau: f"{rmse / tau:.2f}")
         print()
     else:
         print("| model | B | defense | τ | samples | median ‖δ‖/‖g‖ | median best RMSE | min best/τ | kept | kept (adaptive) | kept (all) |")

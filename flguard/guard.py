@@ -28,6 +28,13 @@ from flguard.risk.operator import ClippedJacobian, Jacobian, JacobianOperator, L
 from flguard.risk.regularised import RegularisedK
 
 
+#: The I²F solves behind the floor run PCG preconditioned by the Lanczos run's Ritz pairs (the
+#: spectral preconditioner of ``flguard.risk.krylov``), stopped on the true residual: same
+#: certificate ‖x − x*‖ ≤ ‖r‖/ε, fewer Jacobian products (docs/results.md "Issue 12 §3 — cost,
+#: continued"). False: plain CG, as before.
+PRECONDITION_CG = False
+
+
 class GuardFailure(RuntimeError):
     """Measuring or perturbing failed; the message is the reply's reason."""
 
@@ -93,7 +100,7 @@ class Guard:
         eigen = cfg.defense == "eigen"
         lanczos_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=flat.device))
         spectrum = RegularisedK(op).lanczos(rtol=cfg.rtol, ends="max", min_iter=cfg.krylov_steps if eigen else 0,
-                                            return_vectors=eigen, seed=lanczos_seed)
+                                            return_vectors=eigen or PRECONDITION_CG, seed=lanczos_seed)
         if not bool(spectrum.converged.all()):
             raise GuardFailure("λmax did not converge within the Lanczos limit")
         lambda_max = spectrum.lambda_max
@@ -125,22 +132,27 @@ class Guard:
             zeros = torch.zeros(op.batch_size, dtype=op.dtype, device=op.device)
             return _Outcome(torch.zeros_like(ctx.gradient), zeros, zeros, ctx.eps, True)
         vector = direction.vector
-        shift, unit_jd = self._solve(ctx, vector)
+        floor = cfg.gaussian_floor if cfg.defense == "eigen" else 0.0
+        # with max_excluded, a sample whose I2F cannot be certified at all (CG did not converge, or the
+        # noise does not move it) is one more sample to leave out rather than a reason to withhold
+        shift, unit_jd, usable = self._solve(ctx, vector, allow_unusable=cfg.max_excluded > 0 and floor == 0)
         budget = _budget(ctx.gradient, cfg)
         info: dict = {}
-        floor = cfg.gaussian_floor if cfg.defense == "eigen" else 0.0
         if floor > 0:  # an isotropic part of its own that meets floor·τ: no subspace to discard
             z = gaussian_direction(ctx).vector
-            shift_z, _ = self._solve(ctx, z)
+            shift_z, _, _ = self._solve(ctx, z)
             scale_z, rmse_z, _ = self._fit(op.x, shift_z, floor * cfg.floor, budget / float(z.norm()))
             scale_e, _, _ = self._fit(op.x, shift, cfg.floor, budget / float(vector.norm()))
             vector, shift = scale_z * z + scale_e * vector, scale_z * shift_z + scale_e * shift
             info["rmse_gaussian_part"] = rmse_z
         limit, at_least = budget / max(float(vector.norm()), 1e-30), 1.0 if floor > 0 else 0.0
-        scale, rmse, reachable = self._fit(op.x, shift, cfg.floor, limit, at_least)
+        certifiable = bool(usable.all())
+        scale, rmse, reachable = self._fit(op.x, shift, cfg.floor, limit, at_least) if certifiable else (limit, None, False)
         keep = None
         if not (reachable and float(vector.norm()) * scale <= budget):
-            keep = self._protectable(op, shift, limit)
+            keep = self._protectable(op, shift, limit, usable)
+            if keep is None and not certifiable:
+                raise GuardFailure(_UNUSABLE)
             if keep is not None:
                 scale, rmse, reachable = self._fit(op.x, shift, cfg.floor, limit, at_least, keep=keep)
                 info["excluded"] = int((~keep).sum())
@@ -163,25 +175,32 @@ class Guard:
         update = None if keep is None else kept_gradient(op, ctx.gradient, keep)
         return _Outcome(noise, rmse, _rmse_lb(jd, ctx.lambda_max, op.dx), ctx.eps, True, "", info, update)
 
-    def _protectable(self, op: Jacobian, shift: torch.Tensor, limit: float) -> torch.Tensor | None:
+    def _protectable(self, op: Jacobian, shift: torch.Tensor, limit: float, usable: torch.Tensor) -> torch.Tensor | None:
         """The samples to keep when the budget (scale ``limit`` of the direction) cannot protect the
-        whole batch, or None when leaving the others out is not allowed (``max_excluded``, the
-        per-sample path) or would not help."""
+        whole batch (and never an uncertifiable one, ``usable`` False), or None when leaving the
+        others out is not allowed (``max_excluded``, the per-sample path) or would not help."""
         cfg = self.config
         if cfg.max_excluded <= 0 or _base(op).coupled:
             return None
         bounds = None if cfg.bounds is None else _bounds(cfg.bounds, op.x)
-        keep = reachable_at(op.x, shift, bounds, limit, cfg.floor, cfg.rtol)
+        keep = reachable_at(op.x, shift, bounds, limit, cfg.floor, cfg.rtol) & usable
         return keep if not bool(keep.all()) and excludable(keep, cfg.max_excluded) else None
 
-    def _solve(self, ctx: DefenseContext, vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """I2F's shift (K_i+εI)⁻¹J_i·vector [B, dx] and ‖J_i·vector‖, checked."""
-        shift, jd, converged = i2f_solve(ctx.op, vector, ctx.eps, self.config.rtol)
-        if not bool(converged.all()):
-            raise GuardFailure("the I2F solve did not converge")
-        if not bool((shift.norm(dim=1) > 0).all()):
-            raise GuardFailure("the noise direction has no measurable effect on some sample")
-        return shift, jd
+    def _solve(self, ctx: DefenseContext, vector: torch.Tensor,
+               allow_unusable: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """I2F's shift (K_i+εI)⁻¹J_i·vector [B, dx], ‖J_i·vector‖ and which samples' shifts are usable
+        (converged and nonzero), checked: an unusable sample fails the guard unless
+        ``allow_unusable``, and then its shift is zeroed (it can only be left out)."""
+        ritz = (ctx.spectrum.ritz_values, ctx.spectrum.ritz_vectors) if PRECONDITION_CG and ctx.spectrum else None
+        shift, jd, converged = i2f_solve(ctx.op, vector, ctx.eps, self.config.rtol, ritz=ritz)
+        moved = shift.norm(dim=1) > 0
+        usable = converged & moved
+        if not allow_unusable:
+            if not bool(converged.all()):
+                raise GuardFailure("the I2F solve did not converge")
+            if not bool(moved.all()):
+                raise GuardFailure("the noise direction has no measurable effect on some sample")
+        return torch.where(usable.unsqueeze(1), shift, torch.zeros_like(shift)), jd, usable
 
     def _fit(self, x: torch.Tensor, shift: torch.Tensor, tau: float, limit: float,
              at_least: float = 0.0, keep: torch.Tensor | None = None) -> tuple[float, torch.Tensor, bool]:
@@ -249,6 +268,10 @@ def _checked_gradient(gradient: torch.Tensor, model: nn.Module) -> torch.Tensor:
     if not bool(torch.isfinite(gradient).all()):
         raise GuardFailure("gradient contains NaN or Inf")
     return gradient.detach().reshape(-1)
+
+
+_UNUSABLE = ("the I2F solve did not converge or the noise direction has no measurable effect on some sample, "
+             "and leaving it out is not possible (max_excluded)")
 
 
 def _base(op: Jacobian) -> JacobianOperator:

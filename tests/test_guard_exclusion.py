@@ -123,3 +123,28 @@ def test_with_the_box_the_kept_samples_meet_the_clipped_floor():
     shift = _shift(jac[kept], delta, out.report.eps[kept])
     clipped = (torch.clamp(x[kept] + shift.view_as(x[kept]), -1.0, 1.0) - x[kept]).flatten(1)
     assert bool((clipped.norm(dim=1) / x[0].numel() ** 0.5 >= TAU).all())
+
+
+def test_a_sample_the_noise_cannot_move_is_left_out_instead_of_failing_the_step():
+    """A dead-ReLU sample: J_j = 0, so no noise moves its I²F (the saturated-LFW failure). Without
+    ``max_excluded`` the step fails closed; with it that sample alone is left out."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16, 6), nn.ReLU(), nn.Linear(6, 3)).double()
+    with torch.no_grad():
+        model[1].weight.abs_()
+        model[1].bias.zero_()
+    x = torch.randn(4, 1, 4, 4, dtype=torch.float64)
+    x[2] = -5.0  # every first-layer unit is off for this sample: its block J_2 is exactly zero
+    y = torch.tensor([0, 1, 2, 1])
+    jac, g = dense_jacobians(model, x, y)
+    assert float(jac[2].abs().max()) == 0.0 and float(jac[[0, 1, 3]].abs().amax(dim=(1, 2)).min()) > 0
+    cfg = dict(defense="gaussian", min_rmse=TAU, seed=4, max_rel_noise=1e6)
+    failed = Guard(GuardConfig(**cfg)).protect(model, x, y, g)
+    assert failed.gradient is None and "no measurable effect" in failed.report.reason
+    out = Guard(GuardConfig(**cfg, max_excluded=0.25)).protect(model, x, y, g)
+    assert out.report.met and out.report.details["excluded"] == 1 and torch.isinf(out.report.rmse_after[2])
+    kept = [0, 1, 3]
+    delta = out.gradient - _per_sample(model, x, y)[kept].sum(0)
+    torch.testing.assert_close(float(delta.norm()), out.report.noise_norm)
+    rmse = _shift(jac[kept], delta, out.report.eps[kept]).norm(dim=1) / x[0].numel() ** 0.5
+    assert bool((rmse >= TAU).all()), rmse

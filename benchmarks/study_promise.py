@@ -292,7 +292,9 @@ def figure(rows: list[dict], path: Path) -> None:
 
     guarded = [r for r in rows if r["sent"] and r["defense"] != "none"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, key, title in ((axes[0], "best", "best of DLG / GS / R-GAP / hybrid"), (axes[1], "adaptive", "adaptive attacker")):
+    names = {"dlg": "DLG", "gs": "GS", "rgap": "R-GAP", "hybrid": "hybrid"}
+    best = "best of " + " / ".join(names[k] for k in STANDARD if any(f"rmse_{k}" in r for r in guarded))
+    for ax, key, title in ((axes[0], "best", best), (axes[1], "adaptive", "adaptive attacker")):
         groups = ((("gaussian", 1), "o"), (("gaussian", 8), "s"), (("eigen", 1), "^"), (("eigen", 8), "D"))
         for shift, ((defense, batch), marker) in zip((0.91, 0.97, 1.03, 1.09), groups):  # side by side per τ
             pts = [r for r in guarded if r["defense"] == defense and r["batch"] == batch]
@@ -379,6 +381,7 @@ def main() -> None:
     if args.from_csv:  # the tables again from a finished run's rows (no attack is rerun)
         rows, minutes = read_rows(Path(args.from_csv)), float("nan")
         table = summarise(rows)
+        figure(rows, ROOT / "docs" / "figures" / f"{Path(args.from_csv).stem}.png")
         report(args, rows, table, minutes)
         return
     rows = run(args)

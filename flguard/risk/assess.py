@@ -143,14 +143,17 @@ def jacobian_product(op: Jacobian, delta: torch.Tensor) -> torch.Tensor:
     return op.j(per_sample.unsqueeze(1)).squeeze(1)
 
 
-def i2f_solve(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float) -> tuple[torch.Tensor, ...]:
+def i2f_solve(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float,
+              ritz: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """((K_i+ε_iI)⁻¹J_iδ [B, dx], ‖J_iδ‖, converged) per sample — I2F's definition, written once.
 
     The solution is the predicted shift of sample i's best reconstruction (model-input units).
     ``delta`` is shared [dθ] or per sample [B, dθ]; the CG stops on the error bound ‖r‖/ε.
+    ``ritz``: Ritz pairs of K_i (values [B, k], vectors [B, k, dx]) to precondition with; the stop
+    is then on the true residual (``flguard.risk.krylov.preconditioned_cg``).
     """
     b = jacobian_product(op, delta)
-    solved = RegularisedK(op, eps).solve(b, rtol=rtol)
+    solved = RegularisedK(op, eps).solve(b, rtol=rtol, ritz=ritz)
     return solved.solution, b.norm(dim=1), solved.converged
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from flguard.risk.krylov import CGResult, conjugate_gradient
+from flguard.risk.krylov import CGResult, conjugate_gradient, preconditioned_cg, spectral_preconditioner
 from flguard.risk.lanczos import LanczosResult, lanczos
 from flguard.risk.operator import Jacobian
 
@@ -58,9 +58,15 @@ class RegularisedK:
         """Extreme Ritz pairs of K_i + ε_iI per sample (``flguard.risk.lanczos.lanczos``'s keywords)."""
         return lanczos(self, self.op.batch_size, self.op.dx, like=self.op.x, **kwargs)
 
-    def solve(self, rhs: torch.Tensor, *, rtol: float = 1e-3, max_iter: int | None = None) -> CGResult:
+    def solve(self, rhs: torch.Tensor, *, rtol: float = 1e-3, max_iter: int | None = None,
+              ritz: tuple[torch.Tensor, torch.Tensor] | None = None) -> CGResult:
         """(K_i + ε_iI)⁻¹ rhs_i by CG, rhs [B, dx]; with ε > 0 its relative error is at most
-        ``rtol`` (the bound ‖r‖/ε, ``flguard.risk.krylov``)."""
+        ``rtol`` (the bound ‖r‖/ε, ``flguard.risk.krylov``). ``ritz``: (values [B, k], vectors
+        [B, k, dx]) of K_i — PCG with their spectral preconditioner, stopped on the true residual
+        (where some ε_i = 0 with rhs_i ≠ 0 there is no ‖r‖/ε bound: plain CG, as without)."""
         shift = self.eps if self.eps is not None else torch.zeros(self.op.batch_size, dtype=self.dtype,
                                                                   device=self.device)
+        if ritz is not None and bool(((shift > 0) | (rhs.norm(dim=1) == 0)).all()):
+            precond = spectral_preconditioner(ritz[0].to(rhs), ritz[1].to(rhs), shift)
+            return preconditioned_cg(self._kernel, rhs, shift, precond, rtol=rtol, max_iter=max_iter)
         return conjugate_gradient(self._kernel, rhs, shift, rtol=rtol, max_iter=max_iter)

@@ -6,6 +6,17 @@ epoch runs every step of a 4-client partition of MNIST-5k (1,250 samples); guard
 ``--guarded-steps`` of its steps and scaled to the epoch (the per-step cost is what varies).
 
     python benchmarks/bench_guard_overhead.py [--batch 32] [--guarded-steps 3]
+
+``--demo`` (issue 12 §3's protocol): the demo's own trained model and guard configs —
+``simulations/default.toml``'s task (the warm-started quickstart CNN, ``initial_model``) and its
+``gaussian`` and ``eigen`` GuardConfigs (``guard_values``) — one local epoch of ``--steps`` ≥ 20 SGD
+steps at B = 32 on client 0's partition, CPU, 1 thread; per row the round ratio (guarded / unguarded
+round wall time) beside the per-step one, and the cost model (Jacobian products per guarded step
+by solver, ms per product against ms per training step), from ``bench_guard_round.measure_round``.
+``--precondition off on`` runs each defense with plain CG and with the spectral PCG
+(``flguard.guard.PRECONDITION_CG``).
+
+    python benchmarks/bench_guard_overhead.py --demo [--steps 20] [--precondition off on]
 """
 
 from __future__ import annotations
@@ -34,13 +45,53 @@ def train_step(model, x, y, lr: float = 0.05) -> None:
             offset += p.numel()
 
 
+def demo(args) -> None:
+    """The round and step ratios and the cost model on the demo's trained CNN and guard configs."""
+    import copy
+
+    import flguard.guard as guard_module
+    from bench_guard_round import HEADER, measure_round, run_round
+    from flguard.compare.config import load_config
+    from flguard.flower.task import TaskSettings, initial_model, load_partition
+
+    torch.set_num_threads(args.threads)
+    config = load_config(args.config)
+    specs = [config.defense(name) for name in args.defenses]
+    settings = TaskSettings.from_config(config.run_config(specs[0]))
+    model = initial_model(settings)  # the demo's warm start (no client data)
+    train, _ = load_partition(settings, 0)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(settings.seed))
+    x, y = train.normalize(train.images[order]), train.labels[order]
+    batches = list(zip(x.split(args.batch), y.split(args.batch)))
+    batches = [b for b in batches if len(b[0]) == args.batch][:args.steps]
+    if len(batches) < args.steps:
+        raise SystemExit(f"client 0 has {len(train)} samples: fewer than {args.steps} batches of {args.batch}")
+    run_round(copy.deepcopy(model), batches[:2], settings.lr)  # warm-up
+    print(f"demo ({args.config}): warm-started {settings.model} on {settings.dataset}, client 0, B={args.batch}, "
+          f"{len(batches)} steps, lr {settings.lr}, CPU, torch threads={args.threads}")
+    print(HEADER)
+    for spec in specs:
+        for mode in args.precondition:
+            guard_module.PRECONDITION_CG = mode == "on"
+            guard_config = config.guard_config(spec)
+            measure_round(f"{spec.name}{'+pcg' if mode == 'on' else ''}", guard_config, model, batches, settings.lr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--demo", action="store_true", help="the demo's trained CNN and guard configs (issue 12 §3)")
+    parser.add_argument("--config", default="simulations/default.toml")
+    parser.add_argument("--defenses", nargs="+", default=["gaussian", "eigen"], help="--demo: defense names")
+    parser.add_argument("--steps", type=int, default=20, help="--demo: local steps (one epoch)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--precondition", nargs="+", choices=["off", "on"], default=["off", "on"])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tau", type=float, default=0.1)
     parser.add_argument("--guarded-steps", type=int, default=3)
     parser.add_argument("--epoch-samples", type=int, default=1250)
     args = parser.parse_args()
+    if args.demo:
+        return demo(args)
     model, x, y, _ = model_and_batch("lenet", "mnist5k", args.epoch_samples, init="default")
     batches = list(zip(x.split(args.batch), y.split(args.batch)))
     train_step(model, *batches[0])  # warm-up

@@ -9,8 +9,9 @@ round-level ratio is guarded round wall time / unguarded round wall time.
 
 Cost model: Jacobian products (operator applications per sample) per guarded step, split into
 Lanczos (λmax, sets ε), CG (I²F solves, incl. verification) and other (eigen directions, …),
-ms per product and ms per training step. The split is taken by wrapping ``flguard.guard.lanczos``
-and ``flguard.guard.i2f_solve`` (timing only; results untouched).
+ms per product and ms per training step. The split is taken by wrapping the Lanczos behind
+``RegularisedK.lanczos`` and ``flguard.guard.i2f_solve`` (timing only; results untouched).
+``measure_round`` is the one measurement; ``bench_guard_overhead.py --demo`` reuses it.
 
     python benchmarks/bench_guard_round.py [--steps 20] [--pretrain 100] [--defenses gaussian eigen]
 """
@@ -24,6 +25,7 @@ import time
 import torch
 
 import flguard.guard as guard_module
+import flguard.risk.regularised as regularised_module
 from flguard import Guard, GuardConfig
 from flguard.data import load
 from flguard.models import create
@@ -32,8 +34,10 @@ COUNTS = {"lanczos": 0, "cg": 0, "lanczos_s": 0.0, "cg_s": 0.0}
 
 
 def _wrap() -> None:
-    """Count products and time spent in the guard's Lanczos and CG calls."""
-    lanczos, i2f_solve = guard_module.lanczos, guard_module.i2f_solve
+    """Count products and time spent in the guard's Lanczos and CG calls (idempotent)."""
+    if getattr(guard_module.i2f_solve, "counted", False):
+        return
+    lanczos, i2f_solve = regularised_module.lanczos, guard_module.i2f_solve
 
     def lanczos_counted(*a, **k):
         start = time.perf_counter()
@@ -49,7 +53,8 @@ def _wrap() -> None:
         COUNTS["cg"] += op.applications - before
         return out
 
-    guard_module.lanczos, guard_module.i2f_solve = lanczos_counted, i2f_counted
+    i2f_counted.counted = True
+    regularised_module.lanczos, guard_module.i2f_solve = lanczos_counted, i2f_counted
 
 
 def step_gradient(model, x, y) -> torch.Tensor:
@@ -82,6 +87,39 @@ def run_round(model, batches, lr, guard=None):
     return time.perf_counter() - start, reports
 
 
+#: round × = guarded round / unguarded round (wall); step × = Guard.protect per step / training step.
+HEADER = (f"{'defense':<9} {'plain s':>8} {'guarded s':>10} {'round ×':>8} {'step ×':>7} {'step ms':>8} "
+          f"{'guard ms/step':>13} {'prod/step':>9} {'lanczos':>8} {'cg':>6} {'other':>6} {'ms/prod':>8} "
+          f"{'prod/train step':>15} {'lanczos s':>9} {'cg s':>6} {'met':>6}")
+
+
+def measure_round(label: str, config: GuardConfig, base, rnd, lr: float) -> dict:
+    """One unguarded and one guarded local round from ``base`` on batches ``rnd``, back to back;
+    the row's figures (printed as in HEADER) in a dict."""
+    _wrap()
+    plain, _ = run_round(copy.deepcopy(base), rnd, lr)
+    for key in COUNTS:
+        COUNTS[key] = 0
+    guarded, reports = run_round(copy.deepcopy(base), rnd, lr, Guard(config))
+    n = len(rnd)
+    products = sum(r.matvecs for r in reports) / n
+    lz, cg = COUNTS["lanczos"] / n, COUNTS["cg"] / n
+    # per step: Guard.protect's own time (its report) against an unguarded training step
+    step_ms, guard_ms = plain / n * 1e3, sum(r.seconds for r in reports) / n * 1e3
+    ms_product = guard_ms / max(products, 1)
+    row = dict(defense=label, plain_s=plain, guarded_s=guarded, round_ratio=guarded / plain,
+               step_ratio=guard_ms / step_ms, step_ms=step_ms, guard_ms=guard_ms, products=products,
+               lanczos=lz, cg=cg, other=products - lz - cg, ms_product=ms_product,
+               product_steps=ms_product / step_ms, lanczos_s=COUNTS["lanczos_s"], cg_s=COUNTS["cg_s"],
+               met=sum(bool(r.met) for r in reports), steps=n,
+               rel_noise=sorted(r.rel_noise for r in reports)[n // 2])
+    print(f"{label:<9} {plain:>8.2f} {guarded:>10.2f} {row['round_ratio']:>8.1f} {row['step_ratio']:>7.1f} "
+          f"{step_ms:>8.1f} {guard_ms:>13.0f} {products:>9.1f} {lz:>8.1f} {cg:>6.1f} {row['other']:>6.1f} "
+          f"{ms_product:>8.2f} {row['product_steps']:>15.1f} {COUNTS['lanczos_s']:>9.1f} {COUNTS['cg_s']:>6.1f} "
+          f"{row['met']}/{n}  rel_noise median {row['rel_noise']:.3g}", flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=32)
@@ -105,31 +143,17 @@ def main() -> None:
         bx, by = batches[i % len(batches)]
         apply_update(model, step_gradient(model, bx, by), args.lr)
     rnd = batches[args.pretrain:args.pretrain + args.steps]
-    _wrap()
     base = copy.deepcopy(model)
     run_round(copy.deepcopy(base), rnd[:2], args.lr)  # warm-up
     print(f"round: quickstart CNN ({args.pretrain} pre-training steps), MNIST-5k, B={args.batch}, {len(rnd)} steps, "
           f"τ={args.tau}, CPU, torch threads={args.threads}")
-    print(f"{'defense':<9} {'plain s':>8} {'guarded s':>10} {'round ×':>8} {'step ms':>8} {'guard ms/step':>13} "
-          f"{'prod/step':>9} {'lanczos':>8} {'cg':>6} {'other':>6} {'ms/prod':>8} {'lanczos s':>9} {'cg s':>6} {'met':>6}")
+    print(HEADER)
     for defense in args.defenses:
-        plain, _ = run_round(copy.deepcopy(base), rnd, args.lr)
         extra = {} if args.rtol is None else {"rtol": args.rtol}
         if args.krylov_steps is not None and defense == "eigen":  # an eigen field: the others reject it
             extra["krylov_steps"] = args.krylov_steps
-        guard = Guard(GuardConfig(defense=defense, min_rmse=args.tau, seed=0, max_rel_noise=1e9, **extra))
-        for key in COUNTS:
-            COUNTS[key] = 0
-        guarded, reports = run_round(copy.deepcopy(base), rnd, args.lr, guard)
-        n = len(rnd)
-        products = sum(r.matvecs for r in reports) / n
-        lz, cg = COUNTS["lanczos"] / n, COUNTS["cg"] / n
-        guard_ms = (guarded - plain) / n * 1e3
-        print(f"{defense:<9} {plain:>8.2f} {guarded:>10.2f} {guarded / plain:>8.1f} {plain / n * 1e3:>8.1f} "
-              f"{guard_ms:>13.0f} {products:>9.0f} {lz:>8.0f} {cg:>6.0f} {products - lz - cg:>6.0f} "
-              f"{guard_ms / max(products, 1):>8.2f} {COUNTS['lanczos_s']:>9.1f} {COUNTS['cg_s']:>6.1f} "
-              f"{sum(bool(r.met) for r in reports)}/{n}  rel_noise median "
-              f"{sorted(r.rel_noise for r in reports)[n // 2]:.3g}")
+        config = GuardConfig(defense=defense, min_rmse=args.tau, seed=0, max_rel_noise=1e9, **extra)
+        measure_round(defense, config, base, rnd, args.lr)
 
 
 if __name__ == "__main__":

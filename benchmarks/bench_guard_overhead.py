@@ -14,7 +14,7 @@ steps at B = 32 on client 0's partition, CPU, 1 thread; per row the round ratio 
 round wall time) beside the per-step one, and the cost model (Jacobian products per guarded step
 by solver, ms per product against ms per training step), from ``bench_guard_round.measure_round``.
 ``--precondition off on`` runs each defense with plain CG and with the spectral PCG
-(``flguard.guard.PRECONDITION_CG``).
+(``flguard.guard.PRECONDITION_CG``); ``--compile off on`` without and with compiled K products.
 
     python benchmarks/bench_guard_overhead.py --demo [--steps 20] [--precondition off on]
 """
@@ -54,6 +54,8 @@ def demo(args) -> None:
     from flguard.compare.config import load_config
     from flguard.flower.task import TaskSettings, initial_model, load_partition
 
+    import flguard.risk.regularised as regularised_module
+
     torch.set_num_threads(args.threads)
     config = load_config(args.config)
     specs = [config.defense(name) for name in args.defenses]
@@ -72,9 +74,11 @@ def demo(args) -> None:
     print(HEADER)
     for spec in specs:
         for mode in args.precondition:
-            guard_module.PRECONDITION_CG = mode == "on"
-            guard_config = config.guard_config(spec)
-            measure_round(f"{spec.name}{'+pcg' if mode == 'on' else ''}", guard_config, model, batches, settings.lr)
+            for compiled in args.compile:
+                guard_module.PRECONDITION_CG = mode == "on"
+                regularised_module.COMPILE_PRODUCTS = compiled == "on"
+                label = f"{spec.name}{'+pcg' if mode == 'on' else ''}{'+compile' if compiled == 'on' else ''}"
+                measure_round(label, config.guard_config(spec), model, batches, settings.lr)
 
 
 def main() -> None:
@@ -85,6 +89,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="--demo: local steps (one epoch)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--precondition", nargs="+", choices=["off", "on"], default=["off", "on"])
+    parser.add_argument("--compile", nargs="+", choices=["off", "on"], default=["off"],
+                        help="--demo: K products through torch.compile (flguard.risk.regularised.COMPILE_PRODUCTS), "
+                             "per row in turn; the first compile is inside the first compiled round's time")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tau", type=float, default=0.1)
     parser.add_argument("--guarded-steps", type=int, default=3)

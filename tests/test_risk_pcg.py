@@ -114,3 +114,19 @@ def test_guard_with_pcg_meets_the_floor_under_dense_recomputation(monkeypatch, d
     rmse = exact.norm(dim=1) / jac.shape[1] ** 0.5
     assert torch.all(rmse >= tau), rmse
     torch.testing.assert_close(out.report.rmse_after, rmse, rtol=2e-3, atol=0)
+
+
+def test_compiled_products_equal_eager_ones(monkeypatch):
+    """``COMPILE_PRODUCTS`` (opt-in): the first product builds the pullbacks eagerly, later ones run
+    compiled — and give K's products unchanged."""
+    import flguard.risk.regularised as regularised_module
+
+    model, x, y = _model_problem()
+    u = torch.randn(3, 36, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    eager = RegularisedK(JacobianOperator(model, x, y), 0.5)
+    monkeypatch.setattr(regularised_module, "COMPILE_PRODUCTS", True)
+    compiled = RegularisedK(JacobianOperator(model, x, y), 0.5)
+    first, second = compiled @ u, compiled @ u
+    assert hasattr(compiled.op, "_compiled_kmv")
+    torch.testing.assert_close(first, eager @ u)
+    torch.testing.assert_close(second, eager @ u)

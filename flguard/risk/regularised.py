@@ -19,6 +19,12 @@ from flguard.risk.lanczos import LanczosResult, lanczos
 from flguard.risk.operator import Jacobian
 
 
+#: Opt-in: apply K_i through ``torch.compile`` (one compiled wrapper per operator; Dynamo reuses the
+#: graph across operators of the same shapes). Off by default: the first compile of a process takes
+#: seconds to a minute, and it is measured, not assumed, to pay (docs/results.md, "cost, continued").
+COMPILE_PRODUCTS = False
+
+
 class RegularisedK:
     """K_i + ε_iI for every sample i of ``op``'s batch, matrix-free.
 
@@ -40,9 +46,16 @@ class RegularisedK:
 
     def _kernel(self, u: torch.Tensor) -> torch.Tensor:
         """K_i u_i, u [B, dx] or [B, k, dx]."""
+        kmv = self.op.kmv
+        if COMPILE_PRODUCTS:  # the first product builds the operator's pullbacks eagerly, later ones compiled
+            compiled = getattr(self.op, "_compiled_kmv", None)
+            if compiled is None:
+                setattr(self.op, "_compiled_kmv", torch.compile(self.op.kmv))
+            else:
+                kmv = compiled
         if u.ndim == 2:
-            return self.op.kmv(u.unsqueeze(1)).squeeze(1)
-        return self.op.kmv(u)
+            return kmv(u.unsqueeze(1)).squeeze(1)
+        return kmv(u)
 
     def matvec(self, u: torch.Tensor) -> torch.Tensor:
         """(K_i + ε_iI) u_i for u [B, dx] or [B, k, dx] (same shape back)."""

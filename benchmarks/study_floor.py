@@ -80,6 +80,16 @@ def at_psnr(images: torch.Tensor, d: torch.Tensor, target: float, bounded: bool)
     return (images + hi.view(-1, 1, 1, 1) * d).clamp(0, 1)
 
 
+def write_rows(name: str, rows: list[dict]) -> Path:
+    """benchmarks/results/<name>, one row per dict."""
+    path = ROOT / "benchmarks" / "results" / name
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--psnr", type=float, nargs="+", default=[5, 7.5, 10, 12.5, 15, 17.5, 20, 25, 30])
@@ -112,11 +122,7 @@ def main() -> None:
             rows.append({"shape": shape, "psnr": p, "accuracy": accuracy(out),
                          "ssim": float(metrics.ssim(out, images).mean()),
                          "achieved_psnr": float(metrics.psnr(out, images).median())})
-    path = ROOT / "benchmarks" / "results" / "floor.csv"
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    path = write_rows("floor.csv", rows)
     print(f"clean accuracy {rows[0]['accuracy']:.3f} on {len(images)} client test images (chance 0.1)\n")
     print("| PSNR (dB) | " + " | ".join(f"{s} acc / SSIM" for s in SHAPES) + " |")
     print("|---|" + "---|" * len(SHAPES))
@@ -146,11 +152,7 @@ def demo_reconstructions(out: Path, model: torch.nn.Module, data) -> None:
         psnr = metrics.psnr(recon, orig)
         rows.extend({"defense": r["defense"], "target": r["attack_target"], "round": int(r["round"]),
                      "psnr": float(p), "recognised": bool(k)} for p, k in zip(psnr, same))
-    path = ROOT / "benchmarks" / "results" / "floor_demo.csv"
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    path = write_rows("floor_demo.csv", rows)
     print(f"\nthe demo's reconstructions ({out}): recognised = same class as the original's\n")
     print("| defense | target | images | recognised | max PSNR (dB) | recognised among PSNR ≥ 15 dB |")
     print("|---|---|---|---|---|---|")

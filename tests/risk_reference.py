@@ -47,3 +47,13 @@ def dense_metrics(jac: torch.Tensor, g: torch.Tensor, delta: torch.Tensor | None
         out["rmse_i2f"] = out["i2f"] / dx**0.5
         out["rmse_i2f_lb"] = out["i2f_lb"] / dx**0.5
     return out
+
+
+def tiny_conv_problem(batch: int = 3, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A float64 conv → tanh → linear net on 6×6 inputs with 3 classes, a random batch and labels:
+    small enough for dense Jacobians, with a real convolution in it."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)).double()
+    x = torch.randn(batch, 1, 6, 6, dtype=torch.float64)
+    y = torch.randint(0, 3, (batch,))
+    return model, x, y

@@ -123,16 +123,22 @@ def test_malicious_server_in_a_ray_simulation(tmp_path: Path, simulation_apps) -
     assert set(result.train_metrics_clientapp) == {1, 2} and set(result.evaluate_metrics_clientapp) == {1, 2}
 
 
-def test_k_step_upload_is_attacked_by_unrolling_and_scored(tmp_path: Path) -> None:
-    """Without Flower's runtime: one K = 2 step upload through ``attack_upload``, scored on its 2 images."""
-    from flwr.serverapp.strategy import FedAvg
-
+def _two_step_upload():
+    """One honest client's real K = 2 step FedAvg round (B = 1): settings, the trained model, its start
+    state, the local update (its batches) and the dataset."""
     settings = task.TaskSettings(batch_size=1, lr=0.1, local_steps=2, init="uniform")
     train, _ = task.load_partition(settings, 0, 2)
     model = task.make_model(settings)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     update = task.local_sgd(model, train, lr=0.1, steps=2, batch_size=1, generator=torch.Generator().manual_seed(1))
-    data = task.load_dataset(settings.dataset)
+    return settings, model, before, update, task.load_dataset(settings.dataset)
+
+
+def test_k_step_upload_is_attacked_by_unrolling_and_scored(tmp_path: Path) -> None:
+    """Without Flower's runtime: one K = 2 step upload through ``attack_upload``, scored on its 2 images."""
+    from flwr.serverapp.strategy import FedAvg
+
+    settings, model, before, update, data = _two_step_upload()
     server = MaliciousServer(FedAvg(), model_fn=lambda: task.make_model(settings), input_shape=data.shape,
                              attacks=[AttackSpec("gs", iterations=5, labels="true")], out_dir=tmp_path,
                              normalization=(data.mean, data.std), blocking=True)
@@ -151,12 +157,7 @@ def test_real_two_step_upload_is_recovered_by_the_bounded_unrolled_attack(tmp_pa
     back (measured: 27 and 50 dB), and every sample's RMSE is listed for the per-sample promise."""
     from flwr.serverapp.strategy import FedAvg
 
-    settings = task.TaskSettings(batch_size=1, lr=0.1, local_steps=2, init="uniform")
-    train, _ = task.load_partition(settings, 0, 2)
-    model = task.make_model(settings)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    update = task.local_sgd(model, train, lr=0.1, steps=2, batch_size=1, generator=torch.Generator().manual_seed(1))
-    data = task.load_dataset(settings.dataset)
+    settings, model, before, update, data = _two_step_upload()
     bounded = UploadAttack(iterations=100).spec(AttackSpec("dlg", iterations=None, labels="true", unroll=False))
     assert bounded.iterations == 100 and bounded.unroll
     server = MaliciousServer(FedAvg(), model_fn=lambda: task.make_model(settings), input_shape=data.shape,

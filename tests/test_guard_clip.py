@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad
 
+from risk_reference import tiny_conv_problem
+
 from flguard import Guard, GuardConfig
 from flguard.risk.operator import ClippedJacobian, JacobianOperator
 
@@ -20,11 +22,7 @@ TAU = 0.2
 
 
 def _problem(batch: int = 3, seed: int = 0):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)).double()
-    x = torch.randn(batch, 1, 6, 6, dtype=torch.float64)
-    y = torch.randint(0, 3, (batch,))
-    return model, x, y
+    return tiny_conv_problem(batch, seed)
 
 
 def _upload(model, y, clip):

@@ -16,17 +16,13 @@ from torch import nn
 from flguard import Guard, GuardConfig
 from flguard.risk.operator import JacobianOperator
 
-from risk_reference import dense_jacobians
+from risk_reference import dense_jacobians, tiny_conv_problem
 
 TAU = 0.2
 
 
 def _problem(batch: int = 4, seed: int = 0):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)).double()
-    x = torch.randn(batch, 1, 6, 6, dtype=torch.float64)
-    y = torch.randint(0, 3, (batch,))
-    return model, x, y
+    return tiny_conv_problem(batch, seed)
 
 
 def _per_sample(model, x, y) -> torch.Tensor:

@@ -75,18 +75,11 @@ class RegularisedK:
               ritz: tuple[torch.Tensor, torch.Tensor] | None = None) -> CGResult:
         """(K_i + ε_iI)⁻¹ rhs_i by CG, rhs [B, dx]; with ε > 0 its relative error is at most
         ``rtol`` (the bound ‖r‖/ε, ``flguard.risk.krylov``). ``ritz``: (values [B, k], vectors
-        [B, k, dx]) of K_i — PCG with their spectral preconditioner. Whenever ε > 0 the stop and the
-        bound use the true residual (PCG, with the identity without ``ritz``): CG's recurrence residual
-        can drift below the true one in float32. Where some ε_i = 0 with rhs_i ≠ 0 there is no ‖r‖/ε
-        bound: plain CG."""
+        [B, k, dx]) of K_i — PCG with their spectral preconditioner, stopped on the true residual
+        (where some ε_i = 0 with rhs_i ≠ 0 there is no ‖r‖/ε bound: plain CG, as without)."""
         shift = self.eps if self.eps is not None else torch.zeros(self.op.batch_size, dtype=self.dtype,
                                                                   device=self.device)
-        if bool(((shift > 0) | (rhs.norm(dim=1) == 0)).all()):
-            precond = (spectral_preconditioner(ritz[0].to(rhs), ritz[1].to(rhs), shift) if ritz is not None
-                       else _identity)
+        if ritz is not None and bool(((shift > 0) | (rhs.norm(dim=1) == 0)).all()):
+            precond = spectral_preconditioner(ritz[0].to(rhs), ritz[1].to(rhs), shift)
             return preconditioned_cg(self._kernel, rhs, shift, precond, rtol=rtol, max_iter=max_iter)
         return conjugate_gradient(self._kernel, rhs, shift, rtol=rtol, max_iter=max_iter)
-
-
-def _identity(u: torch.Tensor) -> torch.Tensor:
-    return u

@@ -210,23 +210,21 @@ class Guard:
         scale at which every (kept) sample's predicted RMSE reaches τ — the I2F RMSE ‖c·Δx‖/√dx, aimed
         at τ(1 + 2·rtol), or with ``input_bounds`` the clipped one (``_box_scale``). Left-out samples
         (``keep`` False) are not in the update: their RMSE is +inf."""
-        cfg = self.config
-        if keep is not None:
-            box = None if cfg.bounds is None else tuple(b.expand_as(x)[keep] for b in _bounds(cfg.bounds, x))
-            scale, kept, reachable = self._fit_all(x[keep], shift[keep], tau, limit, at_least, box=box)
+        if keep is not None:  # the box of the kept samples alone ("batch": the tightest one the upload holds)
+            scale, kept, reachable = self._fit_all(x[keep], shift[keep], tau, limit, at_least)
             rmse = torch.full((x.shape[0],), float("inf"), dtype=kept.dtype, device=kept.device)
             rmse[keep] = kept
             return scale, rmse, reachable
         return self._fit_all(x, shift, tau, limit, at_least)
 
-    def _fit_all(self, x: torch.Tensor, shift: torch.Tensor, tau: float, limit: float, at_least: float,
-                 box: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[float, torch.Tensor, bool]:
+    def _fit_all(self, x: torch.Tensor, shift: torch.Tensor, tau: float, limit: float,
+                 at_least: float) -> tuple[float, torch.Tensor, bool]:
         cfg, dx = self.config, shift.shape[1]
         unit = shift.norm(dim=1)
         linear = max(from_rmse(tau * (1 + 2 * cfg.rtol), dx) / float(unit.min()), at_least)
         if cfg.bounds is None:  # the budget is checked on the final noise
             return linear, to_rmse(unit * linear, dx), True
-        low, high = box if box is not None else _bounds(cfg.bounds, x)
+        low, high = _bounds(cfg.bounds, x)
         return _box_scale(x, shift, low, high, tau, cfg.rtol, linear, max(limit, linear))
 
     # -- fail closed ------------------------------------------------------------------------

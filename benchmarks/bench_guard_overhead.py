@@ -14,7 +14,9 @@ steps at B = 32 on client 0's partition, CPU, 1 thread; per row the round ratio 
 round wall time) beside the per-step one, and the cost model (Jacobian products per guarded step
 by solver, ms per product against ms per training step), from ``bench_guard_round.measure_round``.
 ``--precondition off on`` runs each defense with plain CG and with the spectral PCG
-(``flguard.guard.PRECONDITION_CG``); ``--compile off on`` without and with compiled K products.
+(``flguard.guard.PRECONDITION_CG``); ``--compile off on`` without and with compiled K products;
+``--shrink off on`` with the solves' products on the whole batch and on the still-iterating samples
+only (``flguard.risk.regularised.SHRINK_TO_ACTIVE``, the default).
 
     python benchmarks/bench_guard_overhead.py --demo [--steps 20] [--precondition off on]
 """
@@ -22,6 +24,7 @@ by solver, ms per product against ms per training step), from ``bench_guard_roun
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -73,12 +76,13 @@ def demo(args) -> None:
           f"{len(batches)} steps, lr {settings.lr}, CPU, torch threads={args.threads}")
     print(HEADER)
     for spec in specs:
-        for mode in args.precondition:
-            for compiled in args.compile:
-                guard_module.PRECONDITION_CG = mode == "on"
-                regularised_module.COMPILE_PRODUCTS = compiled == "on"
-                label = f"{spec.name}{'+pcg' if mode == 'on' else ''}{'+compile' if compiled == 'on' else ''}"
-                measure_round(label, config.guard_config(spec), model, batches, settings.lr)
+        for mode, compiled, shrink in itertools.product(args.precondition, args.compile, args.shrink):
+            guard_module.PRECONDITION_CG = mode == "on"
+            regularised_module.COMPILE_PRODUCTS = compiled == "on"
+            regularised_module.SHRINK_TO_ACTIVE = shrink == "on"
+            label = (f"{spec.name}{'+pcg' if mode == 'on' else ''}{'+compile' if compiled == 'on' else ''}"
+                     f"{'+shrink' if shrink == 'on' else ''}")
+            measure_round(label, config.guard_config(spec), model, batches, settings.lr)
 
 
 def main() -> None:
@@ -92,6 +96,9 @@ def main() -> None:
     parser.add_argument("--compile", nargs="+", choices=["off", "on"], default=["off"],
                         help="--demo: K products through torch.compile (flguard.risk.regularised.COMPILE_PRODUCTS), "
                              "per row in turn; the first compile is inside the first compiled round's time")
+    parser.add_argument("--shrink", nargs="+", choices=["off", "on"], default=["on"],
+                        help="--demo: the solves' products on the still-iterating samples only "
+                             "(flguard.risk.regularised.SHRINK_TO_ACTIVE), per row in turn")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tau", type=float, default=0.1)
     parser.add_argument("--guarded-steps", type=int, default=3)

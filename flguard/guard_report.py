@@ -33,7 +33,7 @@ class GuardReport:
     met: bool
     defense: str
     reason: str
-    matvecs: int
+    matvecs: float  # Jacobian applications per sample, in whole-batch products (see JacobianOperator.applications)
     seconds: float
     min_rmse: float = 0.0
     details: dict = field(default_factory=dict)

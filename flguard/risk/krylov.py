@@ -20,6 +20,9 @@ from typing import Callable
 import torch
 
 Matvec = Callable[[torch.Tensor], torch.Tensor]
+#: (v [r, n], rows [r]) → A_i v_i for the samples ``rows`` only: lets a solver pay for the samples
+#: still iterating, not the whole batch (``flguard.risk.regularised``'s shrinking products).
+RowsMatvec = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -34,9 +37,21 @@ class CGResult:
     error_bound: torch.Tensor | None = None
 
 
+def _on_rows(matvec: Matvec, rows_matvec: RowsMatvec | None, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A_i v_i where ``mask`` holds; with ``rows_matvec`` the other rows are not computed (zero)."""
+    if rows_matvec is None or bool(mask.all()):
+        return matvec(v)
+    out = torch.zeros_like(v)
+    rows = mask.nonzero().squeeze(1)
+    if rows.numel():
+        out[rows] = rows_matvec(v[rows], rows)
+    return out
+
+
 def conjugate_gradient(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, *, rtol: float = 1e-3,
-                       max_iter: int | None = None) -> CGResult:
-    """Solve (A_i + shift_i I) x_i = rhs_i for every sample i; ``rhs`` [B, n], ``shift`` [B]."""
+                       max_iter: int | None = None, rows_matvec: RowsMatvec | None = None) -> CGResult:
+    """Solve (A_i + shift_i I) x_i = rhs_i for every sample i; ``rhs`` [B, n], ``shift`` [B].
+    ``rows_matvec``: products on the still-active samples only (same iterates, less work)."""
     batch, dim = rhs.shape
     limit = dim if max_iter is None else max_iter
     x = torch.zeros_like(rhs)
@@ -49,7 +64,7 @@ def conjugate_gradient(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, *
     tiny = torch.finfo(rhs.dtype).tiny
     iterations = 0
     for iterations in range(1, limit + 1):
-        ap = matvec(p) + shift.unsqueeze(1) * p
+        ap = _on_rows(matvec, rows_matvec, p, active) + shift.unsqueeze(1) * p
         step = rr / (p * ap).sum(1).clamp_min(tiny)
         step = torch.where(active, step, torch.zeros_like(step))
         x = x + step.unsqueeze(1) * p
@@ -90,7 +105,8 @@ def spectral_preconditioner(ritz_values: torch.Tensor, ritz_vectors: torch.Tenso
 
 
 def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, precond: Matvec, *,
-                      rtol: float = 1e-3, max_iter: int | None = None) -> CGResult:
+                      rtol: float = 1e-3, max_iter: int | None = None,
+                      rows_matvec: RowsMatvec | None = None) -> CGResult:
     """Solve (A_i + shift_i I) x_i = rhs_i (A_i PSD; shift_i > 0 where rhs_i ≠ 0) by PCG, SPD ``precond``.
 
     The stop is verified: a sample whose recurrence residual passes ‖r‖/ε ≤ rtol‖x‖ is set aside
@@ -98,6 +114,7 @@ def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, pr
     set aside is formed by one batched product and must pass the same test. One whose recurrence
     drifted resumes from its true residual (direction restarted). ``error_bound`` =
     ‖rhs − (A+εI)x‖/ε from that explicit product — ≥ ‖x − x*‖ for any x, since λmin(A+εI) ≥ ε.
+    ``rows_matvec``: every product on the samples that need it only (iterating, or being verified).
     """
     if not bool(((shift > 0) | (rhs.norm(dim=1) == 0)).all()):
         raise ValueError("preconditioned_cg needs shift > 0 (its error bound is ‖r‖/shift) where rhs ≠ 0")
@@ -105,8 +122,8 @@ def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, pr
     limit = dim if max_iter is None else max_iter
     tiny = torch.finfo(rhs.dtype).tiny
 
-    def apply(v: torch.Tensor) -> torch.Tensor:
-        return matvec(v) + shift.unsqueeze(1) * v
+    def apply(v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return _on_rows(matvec, rows_matvec, v, mask) + shift.unsqueeze(1) * v
 
     x = torch.zeros_like(rhs)
     r = rhs.clone()
@@ -120,7 +137,7 @@ def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, pr
     matvecs = iterations = 0
     while iterations < limit:
         iterations += 1
-        ap = apply(p)
+        ap = apply(p, active)
         matvecs += 1
         step = torch.where(active, rz / (p * ap).sum(1).clamp_min(tiny), torch.zeros_like(rz))
         x = x + step.unsqueeze(1) * p
@@ -129,7 +146,7 @@ def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, pr
         pending, active = pending | passed, active & ~passed
         restart = torch.zeros_like(active)
         if not bool(active.any()) and bool(pending.any()):
-            true_r = rhs - apply(x)
+            true_r = rhs - apply(x, pending)
             matvecs += 1
             true_bound = true_r.norm(dim=1) / shift
             verified = pending & (true_bound <= rtol * x.norm(dim=1))
@@ -147,6 +164,6 @@ def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, pr
         rz = rz_new
     unverified = ~converged
     if bool(unverified.any()):  # out of iterations: the bound of the x returned, from an explicit product
-        bound = torch.where(unverified, (rhs - apply(x)).norm(dim=1) / shift, bound)
+        bound = torch.where(unverified, (rhs - apply(x, unverified)).norm(dim=1) / shift, bound)
         matvecs += 1
     return CGResult(x, converged, iterations, matvecs, bound)

@@ -29,6 +29,7 @@ Parameters are the model's trainable parameters in ``model.parameters()`` order,
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Callable, Iterator
 
 import torch
@@ -91,7 +92,8 @@ class JacobianOperator:
     """Matrix-free per-sample blocks J_i of the batch loss's mixed Jacobian (see module doc).
 
     Vectors are batched as [B, k, dx] for ``jt`` and [B, k, dθ] for ``j``; ``applications``
-    counts operator applications per sample (a call on k vectors for each sample counts k).
+    counts operator applications per sample (a call on k vectors for each sample counts k; work
+    done on a ``restricted`` operator is added by ``RegularisedK``'s solves as its share of B).
     The operator is a snapshot of (model, batch): its products reuse pullbacks built at the first
     call, so build a new operator after changing the model's parameters (products of an operator
     whose parameters were then modified in place are not defined).
@@ -219,6 +221,21 @@ class JacobianOperator:
         """K_i u_i = J_i J_iᵀ u_i, u [B, k, dx] → [B, k, dx] (two applications)."""
         return self.j(self.jt(u))
 
+    def restricted(self, index: torch.Tensor) -> JacobianOperator:
+        """The blocks of the samples ``index`` alone: products of the result on [len(index), k, ·]
+        equal rows ``index`` of this operator's (the batch loss's scale c is kept), at the cost of
+        len(index) samples. Per-sample path only: a coupled sample's block depends on the whole batch.
+        The result builds its own pullbacks and counts its own applications."""
+        if self.coupled:
+            raise ValueError("a coupled operator's blocks cannot be restricted to a subset of the batch")
+        sub = copy.copy(self)
+        sub.x, sub.y = self.x[index], self.y[index]
+        sub.batch_size = int(sub.x.shape[0])
+        sub.applications = 0
+        sub._cached_pullback = sub._cached_transpose = None
+        sub.__dict__.pop("_compiled_kmv", None)  # a compiled product is bound to its own operator
+        return sub
+
     # -- gradients -------------------------------------------------------------------------
     def per_sample_gradients(self) -> torch.Tensor:
         """Unscaled per-sample gradients ∇_θ ℓ(f(x_i), y_i), [B, dθ] (with the batch's
@@ -289,6 +306,14 @@ class ClippedJacobian:
 
     def kmv(self, u: torch.Tensor) -> torch.Tensor:
         return self.j(self.jt(u))
+
+    def restricted(self, index: torch.Tensor) -> ClippedJacobian:
+        """The clipped blocks of the samples ``index`` alone (see ``JacobianOperator.restricted``)."""
+        sub = ClippedJacobian.__new__(ClippedJacobian)  # not copy.copy: __getattr__ delegates to .op
+        sub.__dict__.update(self.__dict__)
+        sub.op = self.op.restricted(index)
+        sub.factor, sub.unit, sub.sample_norms = self.factor[index], self.unit[index], self.sample_norms[index]
+        return sub
 
 
 #: Either operator (plain or per-sample-clipped upload): what the guard, the defenses and

@@ -18,7 +18,7 @@ class RiskReport:
 
     Unrequested or inapplicable fields are ``None``. ``converged`` is False for a sample whose
     solver hit its iteration limit before its tolerance; ``matvecs`` counts Jacobian
-    applications per sample; ``path`` says which operator path ran (``per-sample``/``coupled``).
+    applications per sample (products on part of the batch count their share of it); ``path`` says which operator path ran (``per-sample``/``coupled``).
     """
 
     grad_norm: torch.Tensor | None = None
@@ -34,7 +34,7 @@ class RiskReport:
     rmse_i2f_lb: torch.Tensor | None = None
     eps: torch.Tensor | None = None
     converged: torch.Tensor | None = None
-    matvecs: int = 0
+    matvecs: float = 0
     seconds: float = 0.0
     path: str = ""
     details: dict = field(default_factory=dict)

@@ -1,0 +1,127 @@
+"""Products on the still-iterating samples only: ``restricted`` operators and ``ShrinkingProducts``.
+
+References are independent: dense autograd Jacobians (``risk_reference.dense_jacobians``) and
+``torch.linalg.solve`` on the dense K_i + εI; the counts are checked against the batch-equivalent
+work the solver really did.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import flguard.risk.regularised as regularised_module
+from flguard.risk.krylov import conjugate_gradient, preconditioned_cg, spectral_preconditioner
+from flguard.risk.operator import ClippedJacobian, JacobianOperator
+from flguard.risk.regularised import RegularisedK, ShrinkingProducts
+from risk_reference import dense_jacobians
+
+
+def _problem(batch=6, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)).double()
+    x = torch.randn(batch, 1, 6, 6, dtype=torch.float64)
+    y = torch.randint(0, 3, (batch,))
+    return model, x, y
+
+
+def test_restricted_operator_gives_the_parents_rows_with_the_batch_scale():
+    """Rows {1, 4} of the batch's blocks — scaled 1/B by the batch's mean loss, not 1/2 — and the
+    clipped operator's restriction keeps each sample's own clipping factor."""
+    model, x, y = _problem()
+    jac, _ = dense_jacobians(model, x, y)
+    rows = torch.tensor([1, 4])
+    sub = JacobianOperator(model, x, y).restricted(rows)
+    gen = torch.Generator().manual_seed(1)
+    u = torch.randn(2, 3, sub.dx, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, 2, sub.dtheta, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(sub.jt(u), torch.einsum("bkd,bdp->bkp", u, jac[rows]), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(sub.j(v), torch.einsum("bdp,bkp->bkd", jac[rows], v), rtol=1e-10, atol=1e-12)
+    assert sub.applications == 3 + 2 and sub.batch_size == 2
+
+    full_clipped = ClippedJacobian(JacobianOperator(model, x, y), clip=1e-3)  # every sample clipped
+    assert bool((full_clipped.factor < 1).all())
+    sub_clipped = full_clipped.restricted(rows)
+    u1 = u[:, :1]
+    torch.testing.assert_close(sub_clipped.kmv(u1), full_clipped.kmv(
+        torch.zeros(6, 1, sub.dx, dtype=torch.float64).index_copy(0, rows, u1))[rows], rtol=1e-10, atol=1e-14)
+    with pytest.raises(ValueError, match="coupled"):
+        JacobianOperator(model, x, y, coupled=True).restricted(rows)
+
+
+def test_shrinking_products_rebuild_at_half_and_count_batch_equivalents():
+    model, x, y = _problem(batch=8)
+    jac, _ = dense_jacobians(model, x, y)
+    kernel = jac @ jac.transpose(1, 2)
+    op = JacobianOperator(model, x, y)
+    products = ShrinkingProducts(op)
+    gen = torch.Generator().manual_seed(2)
+    for rows, carried in ((torch.arange(8), 8), (torch.tensor([0, 2, 3, 5, 7]), 8), (torch.tensor([2, 5, 7]), 3),
+                          (torch.tensor([5]), 1), (torch.tensor([1, 5]), 2)):
+        before = op.applications
+        u = torch.randn(rows.numel(), op.dx, generator=gen, dtype=torch.float64)
+        torch.testing.assert_close(products(u, rows), torch.einsum("bij,bj->bi", kernel[rows], u),
+                                   rtol=1e-10, atol=1e-14)
+        assert products.rows.numel() == carried  # 5 of 8 rides on the 8; 3 ≤ 8/2 rebuilds; [1, 5] ⊄ [5] rebuilds
+        assert op.applications - before == pytest.approx(2 * carried / 8)
+
+
+@pytest.mark.parametrize("solver", ["cg", "pcg"])
+def test_solves_with_shrinking_products_match_dense_solves_and_cost_less(monkeypatch, solver):
+    """The same iterates on fewer sample-products: solutions within the certified bound of the dense
+    solve, equal to the whole-batch solve's, and fewer batch-equivalent applications — samples with
+    very different conditioning (scaled inputs) certify at different iterations."""
+    model, x, y = _problem(batch=6, seed=3)
+    x = x * torch.tensor([0.05, 0.2, 1.0, 2.0, 4.0, 8.0], dtype=torch.float64).view(-1, 1, 1, 1)
+    jac, _ = dense_jacobians(model, x, y)
+    kernel = jac @ jac.transpose(1, 2)
+    rhs = torch.randn(6, jac.shape[1], generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    eps = 1e-2 * torch.linalg.eigvalsh(kernel)[:, -1]
+    exact = torch.linalg.solve(kernel + eps.view(-1, 1, 1) * torch.eye(jac.shape[1], dtype=torch.float64), rhs)
+    ritz = None
+    if solver == "pcg":
+        spectrum = RegularisedK(JacobianOperator(model, x, y)).lanczos(rtol=1e-3, ends="max", return_vectors=True)
+        ritz = (spectrum.ritz_values, spectrum.ritz_vectors)
+    results = {}
+    for shrink in (False, True):
+        monkeypatch.setattr(regularised_module, "SHRINK_TO_ACTIVE", shrink)
+        op = JacobianOperator(model, x, y)
+        res = RegularisedK(op, eps).solve(rhs, rtol=1e-5, ritz=ritz)
+        assert bool(res.converged.all())
+        assert torch.all((res.solution - exact).norm(dim=1) <= 1e-5 * res.solution.norm(dim=1))
+        results[shrink] = (res, op.applications)
+    (whole, whole_cost), (shrunk, shrunk_cost) = results[False], results[True]
+    torch.testing.assert_close(shrunk.solution, whole.solution, rtol=1e-9, atol=1e-12)
+    assert shrunk.iterations == whole.iterations
+    assert shrunk_cost < whole_cost, (shrunk_cost, whole_cost)
+
+
+def test_solvers_skip_rows_they_do_not_need():
+    """The model-free solvers hand ``rows_matvec`` only the rows still iterating (or being verified):
+    once a sample has certified it is never asked for again, and the answers are unchanged."""
+    gen = torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(3, 30, 30, generator=gen, dtype=torch.float64))[0]
+    spectra = torch.stack([torch.logspace(0, k, 30, dtype=torch.float64) for k in (0.5, 1.5, 2.5)])
+    kernel = basis @ torch.diag_embed(spectra) @ basis.transpose(1, 2)
+    rhs = torch.randn(3, 30, generator=gen, dtype=torch.float64)
+    shift = torch.ones(3, dtype=torch.float64)
+    matvec = lambda u: torch.einsum("bij,bj->bi", kernel, u)  # noqa: E731
+    asked: list[list[int]] = []
+
+    def rows_matvec(u, rows):
+        asked.append(rows.tolist())
+        return torch.einsum("bij,bj->bi", kernel[rows], u)
+
+    precond = spectral_preconditioner(torch.zeros(3, 1, dtype=torch.float64), basis[:, :, :1].transpose(1, 2), shift)
+    for name, solve in (("cg", lambda **k: conjugate_gradient(matvec, rhs, shift, rtol=1e-3, **k)),
+                        ("pcg", lambda **k: preconditioned_cg(matvec, rhs, shift, precond, rtol=1e-3, **k))):
+        asked.clear()
+        plain, rows = solve(), solve(rows_matvec=rows_matvec)
+        torch.testing.assert_close(rows.solution, plain.solution, rtol=1e-6, atol=1e-10)
+        assert torch.equal(rows.converged, plain.converged) and bool(rows.converged.all())
+        # the well-conditioned sample 0 certifies first; after that it is not iterated on again
+        # (PCG's batched true-residual check of all three at the end is a whole-batch product)
+        first_without = next(i for i, a in enumerate(asked) if 0 not in a)
+        assert not [a for a in asked[first_without:] if 0 in a], (name, asked)
+        assert first_without < len(asked) - 2  # (whole-batch products do not go through rows_matvec)

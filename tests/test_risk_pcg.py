@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import flguard.guard as guard_module
 from flguard import Guard, GuardConfig
@@ -20,7 +19,7 @@ from flguard.risk.krylov import conjugate_gradient, preconditioned_cg, spectral_
 from flguard.risk.lanczos import lanczos
 from flguard.risk.operator import JacobianOperator
 from flguard.risk.regularised import RegularisedK
-from risk_reference import dense_jacobians
+from risk_reference import dense_jacobians, tiny_conv_problem
 
 
 def _kernels(batch=4, dx=200, top=6, seed=0):
@@ -81,11 +80,7 @@ def test_the_bound_holds_with_a_useless_preconditioner_and_when_out_of_iteration
 
 
 def _model_problem(batch=3, seed=0):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)).double()
-    x = torch.randn(batch, 1, 6, 6, dtype=torch.float64)
-    y = torch.randint(0, 3, (batch,))
-    return model, x, y
+    return tiny_conv_problem(batch, seed)
 
 
 def test_i2f_solve_with_ritz_pairs_on_a_model_matches_dense_jacobians():

@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import flguard.risk.regularised as regularised_module
 from flguard.risk.krylov import conjugate_gradient, preconditioned_cg, spectral_preconditioner
 from flguard.risk.operator import ClippedJacobian, JacobianOperator
 from flguard.risk.regularised import RegularisedK, ShrinkingProducts
-from risk_reference import dense_jacobians
+from risk_reference import dense_jacobians, tiny_conv_problem
 
 
 def _problem(batch=6, seed=0):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)).double()
-    x = torch.randn(batch, 1, 6, 6, dtype=torch.float64)
-    y = torch.randint(0, 3, (batch,))
-    return model, x, y
+    return tiny_conv_problem(batch, seed)
 
 
 def test_restricted_operator_gives_the_parents_rows_with_the_batch_scale():

@@ -42,24 +42,27 @@ class ShrinkingProducts:
     the last at 17). Products run on a sub-operator (``restricted``) of a set S ⊇ the rows asked
     for, rebuilt for exactly those rows once they are at most half of S — a rebuild costs about
     two products of the new size, so halving keeps all rebuilds below about two full products.
+    S starts as the whole batch on ``op`` itself (whose pullbacks the Lanczos run already built).
     Rows of S not asked for are carried as zeros. The parent's ``applications`` grows by the
     sub-products' applications × |S|/B: the count stays in whole-batch products.
     """
 
     def __init__(self, op: Jacobian) -> None:
-        self.op = op
-        self.rows: torch.Tensor | None = None
-        self.sub: Jacobian | None = None
+        self.op: Jacobian = op
+        self.sub: Jacobian = op
+        self.rows = torch.arange(op.batch_size, device=op.device)
 
     def __call__(self, u: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """K_i u_i for the samples ``rows`` (ascending indices [r]), u [r, dx] → [r, dx]."""
-        if self.rows is None or 2 * rows.numel() <= self.rows.numel() or not bool(torch.isin(rows, self.rows).all()):
+        if 2 * rows.numel() <= self.rows.numel() or not bool(torch.isin(rows, self.rows).all()):
             self.rows, self.sub = rows.clone(), self.op.restricted(rows)
         at = torch.searchsorted(self.rows, rows)
         padded = u if at.numel() == self.rows.numel() else u.new_zeros(self.rows.numel(), u.shape[1]).index_copy(0, at, u)
-        counter, before = _counter(self.sub), _counter(self.sub).applications
+        counter = _counter(self.sub)
+        before = counter.applications
         out = self.sub.kmv(padded.unsqueeze(1)).squeeze(1)
-        _counter(self.op).applications += (counter.applications - before) * self.rows.numel() / self.op.batch_size
+        if self.sub is not self.op:  # the whole-batch operator counts its own applications
+            _counter(self.op).applications += (counter.applications - before) * self.rows.numel() / self.op.batch_size
         return out[at]
 
 

@@ -59,6 +59,7 @@ def test_shrinking_products_rebuild_at_half_and_count_batch_equivalents():
         torch.testing.assert_close(products(u, rows), torch.einsum("bij,bj->bi", kernel[rows], u),
                                    rtol=1e-10, atol=1e-14)
         assert products.rows.numel() == carried  # 5 of 8 rides on the 8; 3 ≤ 8/2 rebuilds; [1, 5] ⊄ [5] rebuilds
+        assert (products.sub is op) == (carried == 8)  # the whole batch reuses op (pullbacks built), no copy
         assert op.applications - before == pytest.approx(2 * carried / 8)
 
 

@@ -24,7 +24,7 @@ from flguard.guard_exclusion import excludable, kept_gradient, reachable_at
 from flguard.guard_report import GuardOutput, GuardReport
 from flguard.risk.assess import i2f_norms, i2f_solve, jacobian_product
 from flguard.risk.closed_forms import from_rmse, i2f_lower_bound, to_rmse
-from flguard.risk.operator import ClippedJacobian, Jacobian, JacobianOperator, LossFn
+from flguard.risk.operator import ClippedJacobian, Jacobian, JacobianOperator, LossFn, base_operator
 from flguard.risk.regularised import RegularisedK
 
 
@@ -182,7 +182,7 @@ class Guard:
         whole batch (and never an uncertifiable one, ``usable`` False), or None when leaving the
         others out is not allowed (``max_excluded``, the per-sample path) or would not help."""
         cfg = self.config
-        if cfg.max_excluded <= 0 or _base(op).coupled:
+        if cfg.max_excluded <= 0 or base_operator(op).coupled:
             return None
         bounds = None if cfg.bounds is None else _bounds(cfg.bounds, op.x)
         keep = reachable_at(op.x, shift, bounds, limit, cfg.floor, cfg.rtol) & usable
@@ -272,10 +272,6 @@ def _checked_gradient(gradient: torch.Tensor, model: nn.Module) -> torch.Tensor:
 
 _UNUSABLE = ("the I2F solve did not converge or the noise direction has no measurable effect on some sample, "
              "and leaving it out is not possible (max_excluded)")
-
-
-def _base(op: Jacobian) -> JacobianOperator:
-    return op.op if isinstance(op, ClippedJacobian) else op
 
 
 def _budget_noise(flat: torch.Tensor, cfg: GuardConfig, generator: torch.Generator) -> torch.Tensor:

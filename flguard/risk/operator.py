@@ -323,3 +323,9 @@ class ClippedJacobian:
 #: Either operator (plain or per-sample-clipped upload): what the guard, the defenses and
 #: ``RegularisedK`` accept — both apply j, jt and kmv on the same [B, k, ·] layout.
 Jacobian = JacobianOperator | ClippedJacobian
+
+
+def base_operator(op: Jacobian) -> JacobianOperator:
+    """The plain operator under ``op`` (itself, or the one a ``ClippedJacobian`` wraps): where the
+    path (``coupled``) and the application count live."""
+    return op.op if isinstance(op, ClippedJacobian) else op

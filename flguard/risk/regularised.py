@@ -16,7 +16,7 @@ import torch
 
 from flguard.risk.krylov import CGResult, conjugate_gradient, preconditioned_cg, spectral_preconditioner
 from flguard.risk.lanczos import LanczosResult, lanczos
-from flguard.risk.operator import ClippedJacobian, Jacobian, JacobianOperator
+from flguard.risk.operator import Jacobian, base_operator
 
 
 #: Opt-in: apply K_i through ``torch.compile`` (one compiled wrapper per operator; Dynamo reuses the
@@ -28,10 +28,6 @@ COMPILE_PRODUCTS = False
 #: fewer sample-products once most samples have certified (docs/results.md, "cost, continued").
 #: Per-sample operators only; a coupled operator always applies the whole batch.
 SHRINK_TO_ACTIVE = True
-
-
-def _counter(op: Jacobian) -> JacobianOperator:
-    return op.op if isinstance(op, ClippedJacobian) else op
 
 
 class ShrinkingProducts:
@@ -58,11 +54,11 @@ class ShrinkingProducts:
             self.rows, self.sub = rows.clone(), self.op.restricted(rows)
         at = torch.searchsorted(self.rows, rows)
         padded = u if at.numel() == self.rows.numel() else u.new_zeros(self.rows.numel(), u.shape[1]).index_copy(0, at, u)
-        counter = _counter(self.sub)
+        counter = base_operator(self.sub)
         before = counter.applications
         out = self.sub.kmv(padded.unsqueeze(1)).squeeze(1)
         if self.sub is not self.op:  # the whole-batch operator counts its own applications
-            _counter(self.op).applications += (counter.applications - before) * self.rows.numel() / self.op.batch_size
+            base_operator(self.op).applications += (counter.applications - before) * self.rows.numel() / self.op.batch_size
         return out[at]
 
 
@@ -120,7 +116,7 @@ class RegularisedK:
         (where some ε_i = 0 with rhs_i ≠ 0 there is no ‖r‖/ε bound: plain CG, as without)."""
         shift = self.eps if self.eps is not None else torch.zeros(self.op.batch_size, dtype=self.dtype,
                                                                   device=self.device)
-        rows = ShrinkingProducts(self.op) if SHRINK_TO_ACTIVE and not _counter(self.op).coupled else None
+        rows = ShrinkingProducts(self.op) if SHRINK_TO_ACTIVE and not base_operator(self.op).coupled else None
         if ritz is not None and bool(((shift > 0) | (rhs.norm(dim=1) == 0)).all()):
             precond = spectral_preconditioner(ritz[0].to(rhs), ritz[1].to(rhs), shift)
             return preconditioned_cg(self._kernel, rhs, shift, precond, rtol=rtol, max_iter=max_iter, rows_matvec=rows)

@@ -28,14 +28,15 @@ from flguard.compare.config import load_config
 from flguard.flower.task import TaskSettings, initial_model, load_partition
 from flguard.risk.assess import jacobian_product
 from flguard.risk.krylov import preconditioned_cg, spectral_preconditioner
+from flguard.risk.lanczos import LanczosResult
 from flguard.risk.operator import ClippedJacobian, JacobianOperator
 from flguard.risk.regularised import RegularisedK, ShrinkingProducts
 
 lanczos_module = importlib.import_module("flguard.risk.lanczos")  # the module, not the function
 
 
-def own_convergence_steps(K: RegularisedK, rtol: float, seed: int) -> tuple[torch.Tensor, int]:
-    """(the Lanczos step at which each sample's top Ritz pair first met rtol, the batch's steps)."""
+def own_convergence_steps(K: RegularisedK, rtol: float, seed: int) -> tuple[torch.Tensor, LanczosResult]:
+    """(the Lanczos step at which each sample's top Ritz pair first met rtol, the batch's run)."""
     seen: list[torch.Tensor] = []
     check = lanczos_module._ends_converged
 
@@ -49,7 +50,7 @@ def own_convergence_steps(K: RegularisedK, rtol: float, seed: int) -> tuple[torc
         result = K.lanczos(rtol=rtol, ends="max", seed=seed)
     finally:
         lanczos_module._ends_converged = check
-    return torch.stack(seen).float().argmax(0) + 1, result.iterations
+    return torch.stack(seen).float().argmax(0) + 1, result
 
 
 def pcg_products(op, K: RegularisedK, rhs: torch.Tensor, eps: torch.Tensor, steps: int, rtol: float,
@@ -94,8 +95,8 @@ def main() -> None:
         op = ClippedJacobian(JacobianOperator(model, x[32 * b:32 * b + 32], y[32 * b:32 * b + 32]),
                              cfg.clip_per_sample)
         K = RegularisedK(op)
-        own, batch_steps = own_convergence_steps(K, cfg.rtol, seed=b)
-        eps = cfg.eps * K.lanczos(rtol=cfg.rtol, ends="max", seed=b).lambda_max
+        own, batch_run = own_convergence_steps(K, cfg.rtol, seed=b)
+        batch_steps, eps = batch_run.iterations, cfg.eps * batch_run.lambda_max
         rhs = jacobian_product(op, torch.randn(op.dtheta, generator=torch.Generator().manual_seed(b)))
         pcg = {m: pcg_products(op, K, rhs, eps, m, cfg.rtol, seed=b) for m in sorted(set(own.tolist()) | {batch_steps})}
         batch_stop = batch_steps + pcg[batch_steps]

@@ -40,7 +40,8 @@ class ShrinkingProducts:
     two products of the new size, so halving keeps all rebuilds below about two full products.
     S starts as the whole batch on ``op`` itself (whose pullbacks the Lanczos run already built).
     Rows of S not asked for are carried as zeros. The parent's ``applications`` grows by the
-    sub-products' applications × |S|/B: the count stays in whole-batch products.
+    sub-products' applications × |S|/B: the count stays in whole-batch products. Partial products
+    run eagerly (``COMPILE_PRODUCTS`` compiles the whole-batch ones only).
     """
 
     def __init__(self, op: Jacobian) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from flguard import Guard
 from flguard.attacks import metrics, reconstruct
+from study_floor import at_psnr, direction
 from study_promise import batch_gradient, guard_for, trained_model_and_batch, trained_setup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,14 +39,8 @@ def same_class(model: torch.nn.Module, data, image: torch.Tensor, original: torc
 
 
 def noise_at(original: torch.Tensor, psnr: float, generator: torch.Generator) -> torch.Tensor:
-    """original + isotropic pixel noise, clipped to [0, 1], at ``psnr`` dB (bisection on the scale)."""
-    z = torch.randn(original.shape, generator=generator)
-    low, high = 0.0, 4.0
-    for _ in range(40):
-        mid = (low + high) / 2
-        value = float(metrics.psnr((original + mid * z).clamp(0, 1), original))
-        low, high = (mid, high) if value > psnr else (low, mid)
-    return (original + high * z).clamp(0, 1)
+    """original + isotropic pixel noise, clipped to [0, 1], at ``psnr`` dB (study_floor's "noise")."""
+    return at_psnr(original, direction("noise", original, original, generator), psnr, bounded=False)
 
 
 def main() -> None:

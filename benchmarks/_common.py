@@ -20,6 +20,25 @@ def model_and_batch(model_name: str, dataset: str, batch: int, *, init: str = "u
     return model.to(device), x.to(device), data.labels[index].to(device), data
 
 
+def demo_round(config_path: str, steps: int, batch: int = 32):
+    """(config, settings, model, batches): the demo's task (``simulations/default.toml``'s warm-started
+    model, ``initial_model``) and one local epoch of ``steps`` full batches of client 0's partition,
+    in the seeded order of the task — issue 12 §3's protocol, shared by the cost benchmarks."""
+    from flguard.compare.config import load_config
+    from flguard.flower.task import TaskSettings, initial_model, load_partition
+
+    config = load_config(config_path)
+    settings = TaskSettings.from_config(config.run_config(config.defenses[0]))
+    model = initial_model(settings)  # the demo's warm start (no client data)
+    train, _ = load_partition(settings, 0)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(settings.seed))
+    x, y = train.normalize(train.images[order]), train.labels[order]
+    batches = [b for b in zip(x.split(batch), y.split(batch)) if len(b[0]) == batch][:steps]
+    if len(batches) < steps:
+        raise SystemExit(f"client 0 has {len(train)} samples: fewer than {steps} batches of {batch}")
+    return config, settings, model, batches
+
+
 # -- helpers of the evidence studies (issue 7) -------------------------------------------------
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent

@@ -53,24 +53,13 @@ def demo(args) -> None:
     import copy
 
     import flguard.guard as guard_module
-    from bench_guard_round import HEADER, measure_round, run_round
-    from flguard.compare.config import load_config
-    from flguard.flower.task import TaskSettings, initial_model, load_partition
-
     import flguard.risk.regularised as regularised_module
+    from _common import demo_round
+    from bench_guard_round import HEADER, measure_round, run_round
 
     torch.set_num_threads(args.threads)
-    config = load_config(args.config)
+    config, settings, model, batches = demo_round(args.config, args.steps, args.batch)
     specs = [config.defense(name) for name in args.defenses]
-    settings = TaskSettings.from_config(config.run_config(specs[0]))
-    model = initial_model(settings)  # the demo's warm start (no client data)
-    train, _ = load_partition(settings, 0)
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(settings.seed))
-    x, y = train.normalize(train.images[order]), train.labels[order]
-    batches = list(zip(x.split(args.batch), y.split(args.batch)))
-    batches = [b for b in batches if len(b[0]) == args.batch][:args.steps]
-    if len(batches) < args.steps:
-        raise SystemExit(f"client 0 has {len(train)} samples: fewer than {args.steps} batches of {args.batch}")
     run_round(copy.deepcopy(model), batches[:2], settings.lr)  # warm-up
     print(f"demo ({args.config}): warm-started {settings.model} on {settings.dataset}, client 0, B={args.batch}, "
           f"{len(batches)} steps, lr {settings.lr}, CPU, torch threads={args.threads}")

@@ -1,0 +1,127 @@
+"""Issue 12 §3: the least a certified guard can cost per local round, from measured parts.
+
+The guard's promise is checked on the noise actually sent: for every sample of every step it
+needs how that noise moves the sample's reconstruction, so at least one product with the sample's
+Jacobian block J_i, on an operator built for that step (parameters and batch change every step).
+In one process, on the demo's trained CNN and one local epoch of client 0's batches (B = 32,
+``torch.set_num_threads(1)``, medians over the batches) this times:
+
+- a training step (forward, backward, SGD update), as the unguarded round runs it (20 steps back to
+  back: the median of three rounds' per-step times): the unit;
+- a new ``JacobianOperator`` on the batch, wrapped in the demo's per-sample clipping
+  (``ClippedJacobian``: per-sample gradients);
+- its first and a later J product (the first builds the pullback of the gradient map), its first
+  and a later Jᵀ product, and a K = JJᵀ product;
+- a Hessian-vector product of the batch loss for B vectors at once (``vmap``): what each later step
+  of a round adds to one product with the exact multi-step Jacobian of the round's update,
+  ∂(θ_T − θ_0)/∂x_i = −η Π_{s>t}(I − ηH_s) ∂g_t/∂x_i (plain SGD; J̃ᵀ and J̃ each pass T − t steps);
+
+then runs the shipped guard (``bench_guard_round.measure_round``, the demo's GuardConfig) on the
+same batches and prints the round ratio (guarded / unguarded round) of certificates of increasing
+strength — each a floor computed from the parts, except the shipped guard's, which is measured:
+
+1. any certificate on the sent noise: a new operator and one J product per step;
+2. the cheapest I²F bound on the sent noise — CG's first iterate (‖x₁‖ ≤ ‖x*‖ for x₀ = 0) — one
+   K product, plus ε = eps·λmax from Lanczos (at least two K products: one step cannot converge);
+3. the guard as shipped (measured round);
+4. the round's update guarded once with the exact multi-step Jacobian: the shipped guard's
+   products per step, each also carrying T − 1 B-vector HVPs on average.
+
+    cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_cost_floor.py [--steps 20] [--defenses gaussian eigen]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from typing import Callable
+
+import torch
+from torch.func import functional_call, grad, jvp, vmap
+
+from _common import demo_round
+from bench_guard_round import HEADER, measure_round, run_round
+from flguard.risk.operator import ClippedJacobian, JacobianOperator
+
+
+def _ms(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def hvp_batch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, k: int) -> Callable[[], torch.Tensor]:
+    """A call that applies the batch loss's Hessian H = ∇²_θ L(x, θ) to ``k`` random vectors at once."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    tangents = {n: torch.randn(k, *p.shape) for n, p in params.items()}
+
+    def loss(p):
+        return torch.nn.functional.cross_entropy(functional_call(model, p, (x,)), y)
+
+    gradient = grad(loss)
+    return lambda: vmap(lambda t: jvp(gradient, (params,), (t,))[1])(tangents)
+
+
+def parts(model: torch.nn.Module, batches, lr: float, clip: float | None) -> dict[str, float]:
+    """Median ms per batch of each part (see module doc); ``train``: per step of an unguarded round."""
+    times: dict[str, list[float]] = {key: [] for key in ("operator", "j_first", "j", "jt_first", "jt", "k", "hvp")}
+    rounds = [run_round(copy.deepcopy(model), batches, lr)[0] * 1e3 / len(batches) for _ in range(3)]
+    for x, y in batches:
+        holder: dict = {}
+
+        def build():
+            op = JacobianOperator(model, x, y)
+            holder["op"] = ClippedJacobian(op, clip) if clip is not None else op
+        times["operator"].append(_ms(build))
+        op, b = holder["op"], x.shape[0]
+        v, u = torch.randn(b, 1, op.dtheta), torch.randn(b, 1, op.dx)
+        times["j_first"].append(_ms(lambda: op.j(v)))
+        times["j"].append(_ms(lambda: op.j(v)))
+        times["jt_first"].append(_ms(lambda: op.jt(u)))
+        times["jt"].append(_ms(lambda: op.jt(u)))
+        times["k"].append(_ms(lambda: op.kmv(u)))
+        times["hvp"].append(_ms(hvp_batch(model, x, y, b)))
+    return {"train": statistics.median(rounds), **{key: statistics.median(values) for key, values in times.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", default="../simulations/default.toml")
+    parser.add_argument("--defenses", nargs="+", default=["gaussian", "eigen"])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    config, settings, model, batches = demo_round(args.config, args.steps)
+    guard_configs = {name: config.guard_config(config.defense(name)) for name in args.defenses}
+    clip = next(iter(guard_configs.values())).clip_per_sample
+    run_round(copy.deepcopy(model), batches[:2], settings.lr)  # warm-up
+    parts(model, batches[:2], settings.lr, clip)
+    t = parts(model, batches, settings.lr, clip)
+    steps, train = len(batches), t["train"]
+    print(f"demo ({args.config}): {settings.model} on {settings.dataset}, client 0, B={batches[0][0].shape[0]}, "
+          f"{steps} steps, clip C={clip}, CPU, torch threads={args.threads}")
+    print("median ms per batch (÷ training step): " + ", ".join(
+        f"{key} {value:.1f} ({value / train:.2f})" for key, value in t.items()))
+    print(HEADER)
+    rows = {name: measure_round(name, cfg, model, batches, settings.lr) for name, cfg in guard_configs.items()}
+
+    # per guarded step, ms beyond the training step
+    one_j = t["operator"] + t["j_first"]
+    first_iterate = t["operator"] + t["jt_first"] + t["j_first"] + 2 * t["k"]  # Lanczos 2, then J, Jᵀ
+    print(f"\n{'certificate (per step, on the sent noise)':<62} {'guard ms/step':>13} {'round ×':>8}")
+    print(f"{'1. any: a new operator + one J product':<62} {one_j:>13.1f} {1 + one_j / train:>8.1f}")
+    print(f"{'2. cheapest I2F bound: CG first iterate + 2 Lanczos K products':<62} {first_iterate:>13.1f} "
+          f"{1 + first_iterate / train:>8.1f}")
+    for name, row in rows.items():
+        print(f"{'3. shipped guard, ' + name + ' (measured round)':<62} {row['guard_ms']:>13.1f} "
+              f"{row['round_ratio']:>8.1f}")
+    for name, row in rows.items():
+        multi = row["guard_ms"] + row["products"] / 2 * (steps - 1) * t["hvp"]
+        print(f"{'4. round once, exact multi-step Jacobian, ' + name:<62} {multi:>13.1f} {1 + multi / train:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()

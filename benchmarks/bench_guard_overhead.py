@@ -16,7 +16,9 @@ by solver, ms per product against ms per training step), from ``bench_guard_roun
 ``--precondition off on`` runs each defense with plain CG and with the spectral PCG
 (``flguard.guard.PRECONDITION_CG``); ``--compile off on`` without and with compiled K products;
 ``--shrink off on`` with the solves' products on the whole batch and on the still-iterating samples
-only (``flguard.risk.regularised.SHRINK_TO_ACTIVE``, the default).
+only (``flguard.risk.regularised.SHRINK_TO_ACTIVE``, the default); ``--one-run off on`` gaussian with a
+Lanczos run then (P)CG, and with λmax and the solve from one Lanczos run (``flguard.guard.LANCZOS_SOLVE``,
+the default; with it ``--precondition`` does not apply to gaussian).
 
     python benchmarks/bench_guard_overhead.py --demo [--steps 20] [--precondition off on]
 """
@@ -65,11 +67,14 @@ def demo(args) -> None:
           f"{len(batches)} steps, lr {settings.lr}, CPU, torch threads={args.threads}")
     print(HEADER)
     for spec in specs:
-        for mode, compiled, shrink in itertools.product(args.precondition, args.compile, args.shrink):
+        one_run = args.one_run if spec.defense == "gaussian" else ["on"]  # eigen's directions need the spectrum first
+        for mode, compiled, shrink, joint in itertools.product(args.precondition, args.compile, args.shrink, one_run):
             guard_module.PRECONDITION_CG = mode == "on"
+            guard_module.LANCZOS_SOLVE = joint == "on"
             regularised_module.COMPILE_PRODUCTS = compiled == "on"
             regularised_module.SHRINK_TO_ACTIVE = shrink == "on"
-            label = (f"{spec.name}{'+pcg' if mode == 'on' else ''}{'+compile' if compiled == 'on' else ''}"
+            label = (f"{spec.name}{'+1run' if joint == 'on' and spec.defense == 'gaussian' else ''}"
+                     f"{'+pcg' if mode == 'on' else ''}{'+compile' if compiled == 'on' else ''}"
                      f"{'+shrink' if shrink == 'on' else ''}")
             measure_round(label, config.guard_config(spec), model, batches, settings.lr)
 
@@ -88,6 +93,9 @@ def main() -> None:
     parser.add_argument("--shrink", nargs="+", choices=["off", "on"], default=["on"],
                         help="--demo: the solves' products on the still-iterating samples only "
                              "(flguard.risk.regularised.SHRINK_TO_ACTIVE), per row in turn")
+    parser.add_argument("--one-run", nargs="+", choices=["off", "on"], default=["on"],
+                        help="--demo, gaussian: λmax and the I²F solve from one Lanczos run "
+                             "(flguard.guard.LANCZOS_SOLVE, the default) or a Lanczos run then (P)CG, per row in turn")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tau", type=float, default=0.1)
     parser.add_argument("--guarded-steps", type=int, default=3)

@@ -8,7 +8,8 @@ parameters, guarded (each step's gradient passes through ``Guard.protect`` befor
 round-level ratio is guarded round wall time / unguarded round wall time.
 
 Cost model: Jacobian products (operator applications per sample) per guarded step, split into
-Lanczos (λmax, sets ε), CG (I²F solves, incl. verification) and other (eigen directions, …),
+Lanczos (λmax, sets ε), CG (I²F solves, incl. verification; for gaussian with
+``flguard.guard.LANCZOS_SOLVE`` the one Lanczos run that gives both) and other (eigen directions, …),
 ms per product and ms per training step. The split is taken by wrapping the Lanczos behind
 ``RegularisedK.lanczos`` and ``flguard.guard.i2f_solve`` (timing only; results untouched).
 ``measure_round`` is the one measurement; ``bench_guard_overhead.py --demo`` reuses it.
@@ -46,15 +47,21 @@ def _wrap() -> None:
         COUNTS["lanczos"] += 2 * result.matvecs  # each K product = Jᵀ then J: two applications
         return result
 
-    def i2f_counted(op, *a, **k):
+    i2f_counted = _counted(i2f_solve)
+    i2f_counted.counted = True
+    regularised_module.lanczos, guard_module.i2f_solve = lanczos_counted, i2f_counted
+    # the gaussian guard's one-run λmax + solve (guard.LANCZOS_SOLVE) has no separate Lanczos: "cg"
+    guard_module.i2f_solve_with_lambda_max = _counted(guard_module.i2f_solve_with_lambda_max)
+
+
+def _counted(solver):
+    def counted(op, *a, **k):
         before, start = op.applications, time.perf_counter()
-        out = i2f_solve(op, *a, **k)
+        out = solver(op, *a, **k)
         COUNTS["cg_s"] += time.perf_counter() - start
         COUNTS["cg"] += op.applications - before
         return out
-
-    i2f_counted.counted = True
-    regularised_module.lanczos, guard_module.i2f_solve = lanczos_counted, i2f_counted
+    return counted
 
 
 def step_gradient(model, x, y) -> torch.Tensor:

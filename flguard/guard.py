@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from flguard.defenses import BASELINES, DIRECTIONS, DefenseContext, draw_generator
+from flguard.defenses import BASELINES, DIRECTIONS, DefenseContext, Direction, draw_generator
 from flguard.defenses.gaussian import gaussian_direction
 from flguard.guard_config import THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard_exclusion import excludable, kept_gradient, reachable_at
 from flguard.guard_report import GuardOutput, GuardReport
-from flguard.risk.assess import i2f_norms, i2f_solve, jacobian_product
+from flguard.risk.assess import i2f_norms, i2f_solve, i2f_solve_with_lambda_max, jacobian_product
 from flguard.risk.closed_forms import from_rmse, i2f_lower_bound, to_rmse
 from flguard.risk.operator import ClippedJacobian, Jacobian, JacobianOperator, LossFn, base_operator
 from flguard.risk.regularised import RegularisedK
@@ -35,6 +35,13 @@ from flguard.risk.regularised import RegularisedK
 #: the true residual — plain CG's recurrence residual under-stated it by up to 6% in float32.
 #: False: plain CG, as before.
 PRECONDITION_CG = True
+
+#: The calibrated Gaussian's noise direction does not depend on K's spectrum, so its λmax (for ε)
+#: and its I²F solve come from one Lanczos run per sample started at J_iz
+#: (``flguard.risk.lanczos_solve``) instead of a Lanczos run and then PCG: the same certificate
+#: (true-residual bound ‖r‖/ε ≤ rtol‖x‖, ε from λmax's own residual test), about a third fewer
+#: Jacobian products (docs/results.md "One Lanczos run for λmax and the solve"). False: as before.
+LANCZOS_SOLVE = True
 
 
 class GuardFailure(RuntimeError):
@@ -101,6 +108,8 @@ class Guard:
         generator = self._generator(flat.device)
         eigen = cfg.defense == "eigen"
         lanczos_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=flat.device))
+        if cfg.defense == "gaussian" and LANCZOS_SOLVE and cfg.floor > 0:
+            return self._gaussian_in_one_run(op, flat, generator, lanczos_seed)
         spectrum = RegularisedK(op).lanczos(rtol=cfg.rtol, ends="max", min_iter=cfg.krylov_steps if eigen else 0,
                                             return_vectors=eigen or PRECONDITION_CG, seed=lanczos_seed)
         if not bool(spectrum.converged.all()):
@@ -119,7 +128,22 @@ class Guard:
         return _Outcome(noise, rmse, _rmse_lb(jd, lambda_max, op.dx), eps, met,
                         "" if met else "baseline misses min_rmse", dict(ctx.info))
 
-    def _meet_floor(self, ctx: DefenseContext) -> _Outcome:
+    def _gaussian_in_one_run(self, op: Jacobian, flat: torch.Tensor, generator: torch.Generator,
+                             seed: int) -> _Outcome:
+        """The calibrated Gaussian with λmax and the I2F solve of its draw z from one Lanczos run
+        per sample (``LANCZOS_SOLVE``), then scaled to the floor exactly as ``_meet_floor`` does."""
+        cfg = self.config
+        z = torch.randn(op.dtheta, generator=generator, dtype=flat.dtype, device=flat.device)  # gaussian_direction's draw
+        shift, jd, converged, lambda_max, eps, lambda_ok = i2f_solve_with_lambda_max(
+            op, z, cfg.eps, cfg.eps_mode == "relative", cfg.rtol, seed=seed)
+        if not bool(lambda_ok.all()):
+            raise GuardFailure("λmax did not converge within the Lanczos limit")
+        ctx = DefenseContext(op, flat, eps, lambda_max, generator, cfg)
+        solved = _checked_solve(shift, jd, converged, allow_unusable=cfg.max_excluded > 0)
+        return self._meet_floor(ctx, (Direction(z, {"kind": "isotropic"}), solved))
+
+    def _meet_floor(self, ctx: DefenseContext,
+                    solved: tuple[Direction, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> _Outcome:
         """Scale the defense's direction d so that every sample's I2F RMSE ≥ τ.
 
         I2F's shift Δx = (K+εI)⁻¹Jδ is linear in δ, so for c·d it is c·Δx(d) exactly: one CG solve on
@@ -127,9 +151,11 @@ class Guard:
         keeps the exact I2F within rtol of the solved one, so the scale aims at τ(1 + 2·rtol) and the
         reported value is checked against τ(1 + rtol) — the exact value is then ≥ τ. With
         ``input_bounds`` the promise is about clip(x + c·Δx) − x instead (``_box_scale``).
+        ``solved``: the direction and its checked solve when they came from elsewhere
+        (``_gaussian_in_one_run``).
         """
         cfg, op = self.config, ctx.op
-        direction = DIRECTIONS[cfg.defense](ctx)
+        direction = solved[0] if solved is not None else DIRECTIONS[cfg.defense](ctx)
         if cfg.floor == 0:
             zeros = torch.zeros(op.batch_size, dtype=op.dtype, device=op.device)
             return _Outcome(torch.zeros_like(ctx.gradient), zeros, zeros, ctx.eps, True)
@@ -137,7 +163,8 @@ class Guard:
         floor = cfg.gaussian_floor if cfg.defense == "eigen" else 0.0
         # with max_excluded, a sample whose I2F cannot be certified at all (CG did not converge, or the
         # noise does not move it) is one more sample to leave out rather than a reason to withhold
-        shift, unit_jd, usable = self._solve(ctx, vector, allow_unusable=cfg.max_excluded > 0 and floor == 0)
+        shift, unit_jd, usable = (solved[1] if solved is not None else
+                                  self._solve(ctx, vector, allow_unusable=cfg.max_excluded > 0 and floor == 0))
         budget = _budget(ctx.gradient, cfg)
         info: dict = {}
         if floor > 0:  # an isotropic part of its own that meets floor·τ: no subspace to discard
@@ -195,14 +222,7 @@ class Guard:
         ``allow_unusable``, and then its shift is zeroed (it can only be left out)."""
         ritz = (ctx.spectrum.ritz_values, ctx.spectrum.ritz_vectors) if PRECONDITION_CG and ctx.spectrum else None
         shift, jd, converged = i2f_solve(ctx.op, vector, ctx.eps, self.config.rtol, ritz=ritz)
-        moved = shift.norm(dim=1) > 0
-        usable = converged & moved
-        if not allow_unusable:
-            if not bool(converged.all()):
-                raise GuardFailure("the I2F solve did not converge")
-            if not bool(moved.all()):
-                raise GuardFailure("the noise direction has no measurable effect on some sample")
-        return torch.where(usable.unsqueeze(1), shift, torch.zeros_like(shift)), jd, usable
+        return _checked_solve(shift, jd, converged, allow_unusable)
 
     def _fit(self, x: torch.Tensor, shift: torch.Tensor, tau: float, limit: float,
              at_least: float = 0.0, keep: torch.Tensor | None = None) -> tuple[float, torch.Tensor, bool]:
@@ -259,6 +279,20 @@ class Guard:
             report.seconds = time.perf_counter() - start
             return GuardOutput(None, report)
         return self._apply_policy(gradient.reshape(-1) if finite else gradient, gradient, report, start)
+
+
+def _checked_solve(shift: torch.Tensor, jd: torch.Tensor, converged: torch.Tensor,
+                   allow_unusable: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(shift with unusable samples zeroed, ‖J_i·vector‖, usable = converged and moved); an unusable
+    sample fails the guard unless ``allow_unusable`` (then it can only be left out)."""
+    moved = shift.norm(dim=1) > 0
+    usable = converged & moved
+    if not allow_unusable:
+        if not bool(converged.all()):
+            raise GuardFailure("the I2F solve did not converge")
+        if not bool(moved.all()):
+            raise GuardFailure("the noise direction has no measurable effect on some sample")
+    return torch.where(usable.unsqueeze(1), shift, torch.zeros_like(shift)), jd, usable
 
 
 def _checked_gradient(gradient: torch.Tensor, model: nn.Module) -> torch.Tensor:

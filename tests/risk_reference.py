@@ -57,3 +57,21 @@ def tiny_conv_problem(batch: int = 3, seed: int = 0) -> tuple[nn.Module, torch.T
     x = torch.randn(batch, 1, 6, 6, dtype=torch.float64)
     y = torch.randint(0, 3, (batch,))
     return model, x, y
+
+
+def outlier_kernels(batch: int = 4, dx: int = 200, top: int = 6, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense PSD K_i [B, dx, dx] with ``top`` large eigenvalues (a conv net's per-sample spectrum: a
+    few outliers, then a tail far below them) and right-hand sides in their range [B, dx], float64."""
+    gen = torch.Generator().manual_seed(seed)
+    basis = torch.linalg.qr(torch.randn(batch, dx, dx, generator=gen, dtype=torch.float64))[0]
+    values = 1e-4 * torch.rand(batch, dx, generator=gen, dtype=torch.float64)
+    values[:, :top] = torch.logspace(0, -2, top, dtype=torch.float64)
+    kernel = (basis * values.unsqueeze(1)) @ basis.transpose(1, 2)
+    rhs = torch.einsum("bij,bj->bi", kernel, torch.randn(batch, dx, generator=gen, dtype=torch.float64))
+    return kernel, rhs
+
+
+def dense_shifted_solve(kernel: torch.Tensor, rhs: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """(K_i + ε_iI)⁻¹ rhs_i by ``torch.linalg.solve``."""
+    eye = torch.eye(kernel.shape[1], dtype=kernel.dtype)
+    return torch.linalg.solve(kernel + eps.view(-1, 1, 1) * eye, rhs.unsqueeze(-1)).squeeze(-1)

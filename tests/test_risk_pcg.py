@@ -19,24 +19,7 @@ from flguard.risk.krylov import conjugate_gradient, preconditioned_cg, spectral_
 from flguard.risk.lanczos import lanczos
 from flguard.risk.operator import JacobianOperator
 from flguard.risk.regularised import RegularisedK
-from risk_reference import dense_jacobians, tiny_conv_problem
-
-
-def _kernels(batch=4, dx=200, top=6, seed=0):
-    """K_i with ``top`` large eigenvalues (a conv net's per-sample spectrum: a few outliers, then a
-    tail far below them), and right-hand sides in their range."""
-    gen = torch.Generator().manual_seed(seed)
-    basis = torch.linalg.qr(torch.randn(batch, dx, dx, generator=gen, dtype=torch.float64))[0]
-    values = 1e-4 * torch.rand(batch, dx, generator=gen, dtype=torch.float64)
-    values[:, :top] = torch.logspace(0, -2, top, dtype=torch.float64)
-    kernel = (basis * values.unsqueeze(1)) @ basis.transpose(1, 2)
-    rhs = torch.einsum("bij,bj->bi", kernel, torch.randn(batch, dx, generator=gen, dtype=torch.float64))
-    return kernel, rhs
-
-
-def _dense(kernel, rhs, eps):
-    eye = torch.eye(kernel.shape[1], dtype=kernel.dtype)
-    return torch.linalg.solve(kernel + eps.view(-1, 1, 1) * eye, rhs.unsqueeze(-1)).squeeze(-1)
+from risk_reference import dense_jacobians, dense_shifted_solve as _dense, outlier_kernels as _kernels, tiny_conv_problem
 
 
 @pytest.mark.parametrize("rtol", [1e-2, 1e-4])

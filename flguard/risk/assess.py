@@ -157,6 +157,17 @@ def i2f_solve(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float,
     return solved.solution, b.norm(dim=1), solved.converged
 
 
+def i2f_solve_with_lambda_max(op: Jacobian, delta: torch.Tensor, eps: float, relative: bool, rtol: float,
+                              seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """``i2f_solve`` with ε_i = eps·λmax_i (``relative``) or eps set by the same run: one Lanczos run
+    per sample started at J_iδ gives λmax and the solve (``flguard.risk.lanczos_solve``) — for a δ
+    that does not depend on K's spectrum. Returns (shift [B, dx], ‖J_iδ‖, converged, λmax, ε,
+    λmax converged); converged: λmax's test and the true-residual bound ‖r‖/ε ≤ rtol‖shift‖."""
+    b = jacobian_product(op, delta)
+    run = RegularisedK(op).solve_with_lambda_max(b, eps, relative=relative, rtol=rtol, seed=seed)
+    return run.solution, b.norm(dim=1), run.converged, run.lambda_max, run.eps, run.lambda_converged
+
+
 def i2f_norms(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float) -> tuple[torch.Tensor, ...]:
     """(‖(K_i+ε_iI)⁻¹J_iδ‖, ‖J_iδ‖, converged) per sample (see ``i2f_solve``)."""
     shift, jd_norm, converged = i2f_solve(op, delta, eps, rtol)

@@ -106,7 +106,7 @@ def spectral_preconditioner(ritz_values: torch.Tensor, ritz_vectors: torch.Tenso
 
 def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, precond: Matvec, *,
                       rtol: float = 1e-3, max_iter: int | None = None,
-                      rows_matvec: RowsMatvec | None = None) -> CGResult:
+                      rows_matvec: RowsMatvec | None = None, initial: torch.Tensor | None = None) -> CGResult:
     """Solve (A_i + shift_i I) x_i = rhs_i (A_i PSD; shift_i > 0 where rhs_i ≠ 0) by PCG, SPD ``precond``.
 
     The stop is verified: a sample whose recurrence residual passes ‖r‖/ε ≤ rtol‖x‖ is set aside
@@ -115,6 +115,7 @@ def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, pr
     drifted resumes from its true residual (direction restarted). ``error_bound`` =
     ‖rhs − (A+εI)x‖/ε from that explicit product — ≥ ‖x − x*‖ for any x, since λmin(A+εI) ≥ ε.
     ``rows_matvec``: every product on the samples that need it only (iterating, or being verified).
+    ``initial``: a starting x (its residual is formed by one explicit product); default 0.
     """
     if not bool(((shift > 0) | (rhs.norm(dim=1) == 0)).all()):
         raise ValueError("preconditioned_cg needs shift > 0 (its error bound is ‖r‖/shift) where rhs ≠ 0")
@@ -125,16 +126,20 @@ def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, pr
     def apply(v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return _on_rows(matvec, rows_matvec, v, mask) + shift.unsqueeze(1) * v
 
-    x = torch.zeros_like(rhs)
-    r = rhs.clone()
+    active = rhs.norm(dim=1) > 0
+    matvecs = iterations = 0
+    if initial is None:
+        x, r = torch.zeros_like(rhs), rhs.clone()
+    else:
+        x = torch.where(active.unsqueeze(1), initial, torch.zeros_like(initial))
+        r = rhs - apply(x, active)
+        matvecs += 1
     z = precond(r)
     p = z.clone()
     rz = (r * z).sum(1)
-    active = rhs.norm(dim=1) > 0
     converged = ~active
     pending = torch.zeros_like(active)  # passed on the recurrence residual, awaiting the true one
     bound = torch.zeros_like(shift)  # rhs = 0: x = 0 is exact
-    matvecs = iterations = 0
     while iterations < limit:
         iterations += 1
         ap = apply(p, active)

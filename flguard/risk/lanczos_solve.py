@@ -1,0 +1,193 @@
+"""λmax and the regularised solve from one Lanczos run: ε = eps·λmax and (A_i + ε_iI)⁻¹b_i together.
+
+The calibrated Gaussian guard needs, per sample, λmax of K_i (it sets ε_i = eps·λmax) and then
+I2F's solve (K_i + ε_iI)x_i = b_i. Run separately that is a Lanczos run from a random start and a
+CG run from b_i. But Lanczos started at b_i builds the Krylov space K_m(A_i, b_i) — the space CG
+searches, and a shift-invariant one — so with its basis Q_m and tridiagonal T_m:
+
+- the Ritz values of T_m estimate λmax with the usual residual test β_m|s_m,top| ≤ rtol·θmax
+  (``flguard.risk.lanczos``);
+- for any ε the Galerkin solution is x_m = ‖b‖Q_m(T_m + εI)⁻¹e₁, CG's iterate, with residual
+  ‖b − (A+εI)x_m‖ = ‖b‖β_m|e_mᵀ(T_m + εI)⁻¹e₁| (the Lanczos relation).
+
+A sample stops when both meet rtol, at ε set by that step's θmax. Its stop is then verified like
+``flguard.risk.krylov.preconditioned_cg``'s: the true residual by one explicit product (batched
+with the next step's Lanczos products), ``error_bound`` = ‖b − (A+εI)x‖/ε ≥ ‖x − x*‖ for any x.
+A sample whose true residual misses — in float32 the products of a nearly saturated sample are
+accurate to ~1e-3 of λmax and slightly asymmetric, which breaks the Lanczos relation the recurrence
+estimate rests on — is finished by PCG from its x, preconditioned by its own Ritz pairs (PCG
+re-forms the true residual and restarts from it). Each sample keeps its own basis length: it takes
+products only while iterating or being verified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flguard.risk.krylov import Matvec, RowsMatvec, _on_rows, preconditioned_cg, spectral_preconditioner
+
+_ITERATE, _VERIFY, _DONE = 0, 1, 2
+
+
+@dataclass
+class LanczosSolveResult:
+    """Per sample: ``solution`` [B, n]; ``lambda_max`` (θmax when it stopped) and ``eps`` [B];
+    ``error_bound`` ‖b − (A+εI)x‖/ε from an explicit product [B]; ``lambda_converged`` (the Ritz
+    residual test) and ``converged`` (that and error_bound ≤ rtol‖x‖) [B]."""
+
+    solution: torch.Tensor
+    lambda_max: torch.Tensor
+    eps: torch.Tensor
+    error_bound: torch.Tensor
+    lambda_converged: torch.Tensor
+    converged: torch.Tensor
+    iterations: int
+    matvecs: int
+
+
+def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bool = True, rtol: float = 1e-3,
+                  max_iter: int | None = None, rows_matvec: RowsMatvec | None = None,
+                  seed: int = 0) -> LanczosSolveResult:
+    """λmax of each PSD A_i and (A_i + ε_iI)⁻¹rhs_i, ε_i = eps·λmax_i (``relative``) or eps, from one
+    Lanczos run per sample started at rhs_i (a random start where rhs_i = 0: x = 0 there).
+
+    ``max_iter`` caps each sample's basis (default n). ``rows_matvec``: products on the samples that
+    need them only (iterating or being verified).
+    """
+    batch, dim = rhs.shape
+    limit = dim if max_iter is None else min(max_iter, dim)
+    dtype, device = rhs.dtype, rhs.device
+    machine, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
+    generator = torch.Generator(device=device).manual_seed(seed)
+    rows = torch.arange(batch, device=device)
+
+    rhs_norm = rhs.norm(dim=1)
+    random = torch.randn(batch, dim, generator=generator, dtype=dtype, device=device)
+    start = torch.where((rhs_norm > 0).unsqueeze(1), rhs, random)
+    capacity = min(limit, 16) + 1  # grown as the longest basis needs: most samples stop early
+    basis = torch.zeros(batch, capacity, dim, dtype=dtype, device=device)
+    basis[:, 0] = start / start.norm(dim=1, keepdim=True)
+    alpha = torch.zeros(batch, capacity, dtype=dtype, device=device)
+    beta = torch.zeros(batch, capacity, dtype=dtype, device=device)
+    length = torch.zeros(batch, dtype=torch.long, device=device)  # Lanczos products taken per sample
+    phase = torch.full((batch,), _ITERATE, dtype=torch.long, device=device)
+    refine = torch.zeros(batch, dtype=torch.bool, device=device)
+    x = torch.zeros_like(rhs)
+    lambda_max, shift, bound = (torch.zeros(batch, dtype=dtype, device=device) for _ in range(3))
+    lambda_ok = torch.zeros(batch, dtype=torch.bool, device=device)
+    exhausted = torch.zeros_like(lambda_ok)
+    iterations = matvecs = 0
+    while bool((phase != _DONE).any()):
+        iterations += 1
+        iterating, verifying = phase == _ITERATE, phase == _VERIFY
+        current = basis[rows, length]
+        out = _on_rows(matvec, rows_matvec, torch.where(verifying.unsqueeze(1), x, current), iterating | verifying)
+        matvecs += 1
+
+        if bool(verifying.any()):  # the true residual of the samples that stopped last step
+            residual = rhs - out - shift.unsqueeze(1) * x
+            true_bound = residual.norm(dim=1) / shift.clamp_min(tiny)
+            true_bound = torch.where(rhs_norm > 0, true_bound, torch.zeros_like(true_bound))
+            bound = torch.where(verifying, true_bound, bound)
+            passed = true_bound <= rtol * x.norm(dim=1)
+            refine = refine | (verifying & ~passed & ~exhausted)  # the recurrence estimate drifted: PCG below
+            phase = torch.where(verifying, _DONE, phase)
+
+        if bool(iterating.any()):
+            idx = iterating.nonzero().squeeze(1)
+            w, q, m = out[idx], current[idx], length[idx]
+            if int(m.max()) + 2 > capacity:  # room for this vector's successor
+                grow = min(capacity, limit + 1 - capacity)
+                basis = torch.cat([basis, basis.new_zeros(batch, grow, dim)], dim=1)
+                alpha, beta = (torch.cat([t, t.new_zeros(batch, grow)], dim=1) for t in (alpha, beta))
+                capacity += grow
+            size = int(m.max()) + 1  # the longest basis among them, this vector included
+            alpha[idx, m] = (w * q).sum(1)
+            used = basis[idx, :size]  # rows past each sample's length are zero: harmless in Gram-Schmidt
+            for _ in range(2):  # full re-orthogonalisation, twice
+                w = w - torch.einsum("rkn,rk->rn", used, torch.einsum("rkn,rn->rk", used, w))
+            b = w.norm(dim=1)
+            length[idx] = m + 1
+            theta, top_residual, y_last, y, eps_now = _tridiagonal_facts(alpha[idx], beta[idx], length[idx], b,
+                                                                         eps, relative, rhs_norm[idx])
+            top = theta[:, -1]
+            lam_ok = top_residual <= rtol * top.abs().clamp_min(tiny)
+            no_rhs = rhs_norm[idx] == 0  # x = 0 is exact; λmax is still wanted
+            solve_ok = no_rhs | ((eps_now > 0) & (b * y_last.abs() / eps_now.clamp_min(tiny) <= rtol * y.norm(dim=1)))
+            full = length[idx] >= limit
+            stop = (lam_ok & solve_ok) | full
+            # a sample that stops: x = Q y, checked against the true residual at the next product
+            solution = torch.einsum("rkn,rk->rn", used, y[:, :size])
+            x[idx] = torch.where(stop.unsqueeze(1), solution, x[idx])
+            lambda_max[idx], shift[idx], lambda_ok[idx], exhausted[idx] = top, eps_now, lam_ok, full
+            phase[idx] = torch.where(stop, _VERIFY, phase[idx])
+            # every iterating sample gets its next Lanczos vector (a fresh orthogonal one at a
+            # breakdown), so one whose stop fails the check can resume where it stopped
+            broken = b <= 10 * machine * top.abs().clamp_min(tiny)
+            fresh = torch.randn(idx.numel(), dim, generator=generator, dtype=dtype, device=device)
+            for _ in range(2):
+                fresh = fresh - torch.einsum("rkn,rk->rn", used, torch.einsum("rkn,rn->rk", used, fresh))
+            basis[idx, length[idx]] = torch.where(broken.unsqueeze(1), fresh / fresh.norm(dim=1, keepdim=True),
+                                                  w / torch.where(broken, torch.ones_like(b), b).unsqueeze(1))
+            beta[idx, m] = torch.where(broken, torch.zeros_like(b), b)
+    if bool(refine.any()):
+        idx = refine.nonzero().squeeze(1)
+        size = int(length[idx].max())
+        theta, s = torch.linalg.eigh(_tridiagonal(alpha[idx], beta[idx], length[idx], size))
+        vectors = torch.einsum("rkn,rkj->rjn", basis[idx, :size], s)  # padding: zero vectors, harmless
+        precond = spectral_preconditioner(theta, vectors, shift[idx])
+
+        def sub_rows(v: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+            mask = torch.zeros(batch, dtype=torch.bool, device=device)
+            mask[idx[sub]] = True
+            padded = torch.zeros_like(rhs)
+            padded[idx[sub]] = v
+            return _on_rows(matvec, rows_matvec, padded, mask)[idx[sub]]
+
+        every = torch.arange(idx.numel(), device=device)
+        finish = preconditioned_cg(lambda v: sub_rows(v, every), rhs[idx], shift[idx], precond, rtol=rtol,
+                                   max_iter=limit, rows_matvec=sub_rows, initial=x[idx])
+        x[idx], bound[idx] = finish.solution, finish.error_bound
+        matvecs += finish.matvecs
+    converged = lambda_ok & (bound <= rtol * x.norm(dim=1))
+    return LanczosSolveResult(x, lambda_max, shift, bound, lambda_ok, converged, iterations, matvecs)
+
+
+def _tridiagonal(alpha: torch.Tensor, beta: torch.Tensor, length: torch.Tensor, size: int) -> torch.Tensor:
+    """T_m of each row [r, size, size] from its α and β, zero past its length m."""
+    inside = torch.arange(size, device=alpha.device).unsqueeze(0) < length.unsqueeze(1)
+    a = torch.where(inside, alpha[:, :size], torch.zeros_like(alpha[:, :size]))
+    off = torch.where(inside[:, 1:], beta[:, :size - 1], torch.zeros_like(beta[:, :size - 1]))
+    return torch.diag_embed(a) + torch.diag_embed(off, offset=1) + torch.diag_embed(off, offset=-1)
+
+
+def _tridiagonal_facts(alpha: torch.Tensor, beta: torch.Tensor, length: torch.Tensor, last_beta: torch.Tensor,
+                       eps: float, relative: bool, rhs_norm: torch.Tensor):
+    """For rows of different lengths m (padded to the longest): Ritz values θ [r, M] (ascending, padding
+    as zeros: T is PSD, so θmax is unaffected), the top Ritz residual β_m|s_m,top|, the Galerkin
+    coefficients y = ‖b‖(T_m+εI)⁻¹e₁ [r, capacity] (zero on the padding), their last entry y_m, and ε
+    (eps·θmax when ``relative``)."""
+    size = int(length.max())
+    r = alpha.shape[0]
+    inside = torch.arange(size, device=alpha.device).unsqueeze(0) < length.unsqueeze(1)  # [r, M]
+    t = _tridiagonal(alpha, beta, length, size)
+    theta, s = torch.linalg.eigh(t)
+    last = (length - 1).view(-1, 1, 1).expand(-1, 1, size)
+    s_last = s.gather(1, last).squeeze(1)  # [r, M]: row m-1 of the eigenvectors
+    top_residual = last_beta * s_last[:, -1].abs()
+    top = theta[:, -1]
+    eps_now = eps * top if relative else torch.full_like(top, eps)
+    # (T + εI) on the sample's block, the identity on the padding: y = 0 there
+    # (a zero operator has ε = 0 and b = 0: the tiny shift keeps the system solvable, y = 0 there)
+    diagonal = torch.where(inside, eps_now.clamp_min(torch.finfo(alpha.dtype).tiny).unsqueeze(1).expand(-1, size),
+                           torch.ones_like(t[:, 0]))
+    system = t + torch.diag_embed(diagonal)
+    e1 = torch.zeros(r, size, 1, dtype=alpha.dtype, device=alpha.device)
+    e1[:, 0, 0] = 1.0
+    y = torch.linalg.solve(system, e1).squeeze(2) * rhs_norm.unsqueeze(1)
+    y_last = y.gather(1, (length - 1).unsqueeze(1)).squeeze(1)
+    padded = torch.zeros(r, alpha.shape[1], dtype=alpha.dtype, device=alpha.device)
+    padded[:, :size] = y
+    return theta, top_residual, y_last, padded, eps_now

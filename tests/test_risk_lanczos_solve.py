@@ -1,0 +1,146 @@
+"""λmax and the regularised solve from one Lanczos run (``lanczos_solve``) against dense references.
+
+What must hold: λmax within rtol of ``torch.linalg.eigvalsh``; ε the run reports is eps·λmax of
+that estimate; ``error_bound`` is the TRUE residual's ‖b − (K+εI)x‖/ε for the x returned
+(recomputed here) and bounds ‖x − x*‖ for x* from ``torch.linalg.solve`` at that ε; a converged
+sample meets error_bound ≤ rtol‖x‖. What it buys: fewer products than a Lanczos run and PCG.
+Then on a conv model (dense autograd Jacobians) and in the guard (dense float64 I²F of the noise sent).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flguard.guard as guard_module
+from flguard import Guard, GuardConfig
+from flguard.risk.assess import i2f_solve_with_lambda_max
+from flguard.risk.krylov import preconditioned_cg, spectral_preconditioner
+from flguard.risk.lanczos import lanczos
+from flguard.risk.lanczos_solve import lanczos_solve
+from flguard.risk.operator import JacobianOperator
+from risk_reference import dense_jacobians, dense_shifted_solve, outlier_kernels, tiny_conv_problem
+
+
+def _matvec(kernel):
+    return lambda u: torch.einsum("bij,bj->bi", kernel, u)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("rtol", [1e-2, 1e-3])
+def test_one_run_gives_lambda_max_and_a_certified_solve_with_fewer_products(dtype, rtol):
+    kernel, rhs = outlier_kernels(seed=3)
+    kernel, rhs = kernel.to(dtype), rhs.to(dtype)
+    matvec = _matvec(kernel)
+    run = lanczos_solve(matvec, rhs, eps=1e-2, rtol=rtol)
+    assert bool(run.converged.all()) and bool(run.lambda_converged.all())
+    lam = torch.linalg.eigvalsh(kernel.double())[:, -1]
+    assert torch.all((run.lambda_max.double() - lam).abs() <= rtol * lam)
+    torch.testing.assert_close(run.eps, 1e-2 * run.lambda_max)
+    x = run.solution.double()
+    true = (rhs.double() - _matvec(kernel.double())(x) - run.eps.double().unsqueeze(1) * x).norm(dim=1) / run.eps.double()
+    exact = dense_shifted_solve(kernel.double(), rhs.double(), run.eps.double())
+    error = (x - exact).norm(dim=1)
+    # float64: the bound is the true residual's. float32: the residual, ~rtol·ε‖x‖ out of ‖b‖, is
+    # formed with rounding — measured up to 9% of the bound at rtol 1e-3 — so it is held to 15%
+    slack = 1e-8 if dtype == torch.float64 else 0.15
+    torch.testing.assert_close(run.error_bound.double(), true, rtol=slack, atol=0)
+    assert torch.all(error <= run.error_bound.double() * (1 + slack)), (error, run.error_bound)
+    assert torch.all(run.error_bound <= rtol * run.solution.norm(dim=1))
+    # the two-run practice it replaces: Lanczos for λmax, then PCG preconditioned by its Ritz pairs
+    spectrum = lanczos(matvec, 4, 200, like=kernel, rtol=rtol, ends="max", return_vectors=True)
+    eps = 1e-2 * spectrum.lambda_max
+    pcg = preconditioned_cg(matvec, rhs, eps, spectral_preconditioner(spectrum.ritz_values, spectrum.ritz_vectors, eps),
+                            rtol=rtol)
+    assert run.matvecs < spectrum.matvecs + pcg.matvecs, (run.matvecs, spectrum.matvecs, pcg.matvecs)
+
+
+def test_a_zero_right_hand_side_gets_x_zero_and_lambda_max_and_an_absolute_eps():
+    kernel, rhs = outlier_kernels(seed=4)
+    rhs[2] = 0
+    run = lanczos_solve(_matvec(kernel), rhs, eps=1e-5, relative=False, rtol=1e-3)
+    assert bool(run.converged.all())
+    assert torch.equal(run.solution[2], torch.zeros_like(run.solution[2])) and float(run.error_bound[2]) == 0
+    lam = torch.linalg.eigvalsh(kernel)[:, -1]
+    assert torch.all((run.lambda_max - lam).abs() <= 1e-3 * lam)
+    torch.testing.assert_close(run.eps, torch.full((4,), 1e-5, dtype=torch.float64))
+    exact = dense_shifted_solve(kernel, rhs, run.eps)
+    assert torch.all((run.solution - exact).norm(dim=1) <= run.error_bound)
+
+
+def test_out_of_iterations_is_reported_with_a_bound_that_still_holds():
+    kernel, rhs = outlier_kernels(seed=5)
+    run = lanczos_solve(_matvec(kernel), rhs, eps=1e-3, rtol=1e-6, max_iter=3)
+    assert not bool(run.converged.any())
+    exact = dense_shifted_solve(kernel, rhs, run.eps)
+    assert torch.all((run.solution - exact).norm(dim=1) <= run.error_bound)
+    assert torch.all(run.error_bound > 1e-6 * run.solution.norm(dim=1))
+
+
+def test_on_a_conv_model_it_matches_dense_jacobians():
+    model, x, y = tiny_conv_problem(batch=3, seed=2)
+    jac, g = dense_jacobians(model, x, y)
+    delta = torch.randn(g.numel(), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    shift, jd, converged, lambda_max, eps, lambda_ok = i2f_solve_with_lambda_max(
+        JacobianOperator(model, x, y), delta, 1e-2, True, 1e-3)
+    kernel = jac @ jac.transpose(1, 2)
+    lam = torch.linalg.eigvalsh(kernel)[:, -1]
+    assert bool(converged.all()) and bool(lambda_ok.all())
+    assert torch.all((lambda_max - lam).abs() <= 1e-3 * lam)
+    torch.testing.assert_close(eps, 1e-2 * lambda_max)
+    torch.testing.assert_close(jd, (jac @ delta).norm(dim=1))
+    exact = dense_shifted_solve(kernel, jac @ delta, eps)
+    assert torch.all((shift - exact).norm(dim=1) <= 1e-3 * shift.norm(dim=1))
+
+
+@pytest.mark.parametrize("one_run", [True, False])
+def test_gaussian_guard_meets_the_floor_under_dense_recomputation(monkeypatch, one_run):
+    monkeypatch.setattr(guard_module, "LANCZOS_SOLVE", one_run)
+    model, x, y = tiny_conv_problem(batch=4, seed=1)
+    jac, g = dense_jacobians(model, x, y)
+    tau = 0.2
+    out = Guard(GuardConfig(defense="gaussian", min_rmse=tau, seed=3, max_rel_noise=1e9)).protect(model, x, y, g)
+    assert out.report.met and out.gradient is not None
+    kernel = jac @ jac.transpose(1, 2)
+    lam = torch.linalg.eigvalsh(kernel)[:, -1]
+    torch.testing.assert_close(out.report.eps, 1e-2 * lam, rtol=2e-3, atol=0)  # ε = eps·λmax (GuardConfig's eps)
+    exact = dense_shifted_solve(kernel, jac @ (out.gradient - g), out.report.eps)
+    rmse = exact.norm(dim=1) / jac.shape[1] ** 0.5
+    assert torch.all(rmse >= tau), rmse
+    torch.testing.assert_close(out.report.rmse_after, rmse, rtol=2e-3, atol=0)
+
+
+def test_products_that_break_the_lanczos_relation_are_finished_by_pcg_with_a_true_bound(monkeypatch):
+    """A slightly asymmetric operator (float32 products of a nearly saturated sample are, to ~1e-3
+    of λmax) makes the recurrence's residual estimate wrong: the true-residual check catches it and
+    PCG, started from the Lanczos x, finishes the sample; the bound returned is the true residual's."""
+    import flguard.risk.lanczos_solve as module
+
+    kernel, rhs = outlier_kernels(seed=6)
+    skew = torch.randn(4, 200, 200, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    skew = skew - skew.transpose(1, 2)
+    operator = kernel + 1e-4 * skew / torch.linalg.matrix_norm(skew, ord=2).view(-1, 1, 1)  # ‖A − Aᵀ‖ = 2e-4·λmax
+    calls = []
+    real = module.preconditioned_cg
+    monkeypatch.setattr(module, "preconditioned_cg", lambda *a, **k: calls.append(k["initial"]) or real(*a, **k))
+    run = lanczos_solve(_matvec(operator), rhs, eps=1e-2, rtol=1e-4)
+    assert calls, "the check did not catch the drifted recurrence"
+    true = rhs - _matvec(operator)(run.solution) - run.eps.unsqueeze(1) * run.solution
+    torch.testing.assert_close(run.error_bound, true.norm(dim=1) / run.eps, rtol=1e-8, atol=0)
+    assert bool(run.converged.all())
+    assert torch.all(run.error_bound <= 1e-4 * run.solution.norm(dim=1))
+
+
+def test_pcg_from_a_starting_x_keeps_its_bound_and_needs_fewer_products():
+    kernel, rhs = outlier_kernels(seed=7)
+    matvec = _matvec(kernel)
+    eps = torch.full((4,), 1e-3, dtype=torch.float64)
+    identity = spectral_preconditioner(torch.zeros(4, 1, dtype=torch.float64), torch.zeros(4, 1, 200, dtype=torch.float64), eps)
+    exact = dense_shifted_solve(kernel, rhs, eps)
+    cold = preconditioned_cg(matvec, rhs, eps, identity, rtol=1e-6)
+    near = exact + 1e-4 * exact.norm(dim=1, keepdim=True) * torch.randn(4, 200, generator=torch.Generator().manual_seed(3),
+                                                                          dtype=torch.float64) / 200 ** 0.5
+    warm = preconditioned_cg(matvec, rhs, eps, identity, rtol=1e-6, initial=near)
+    assert bool(warm.converged.all()) and bool(cold.converged.all())
+    assert torch.all((warm.solution - exact).norm(dim=1) <= warm.error_bound)
+    assert warm.matvecs < cold.matvecs, (warm.matvecs, cold.matvecs)

@@ -168,6 +168,20 @@ def test_operator_products_equal_dense_jacobian_products(name, coupled):
     assert op.applications == 2 * (4 + 2)
 
 
+@pytest.mark.parametrize("after_a_product", [False, True])
+def test_per_sample_gradients_match_one_backward_per_sample(after_a_product):
+    """The per-sample path reads them off the J pullback's primal output: equal to a loop of
+    autograd calls on each sample's own loss, whether or not a J product built the pullback first."""
+    model, x, y = _problem("conv", 3)
+    op = JacobianOperator(model, x, y)
+    if after_a_product:
+        op.j(torch.randn(3, 1, op.dtheta, dtype=x.dtype))
+    params = [p for p in model.parameters()]
+    loop = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params)]) for i in range(3)])
+    torch.testing.assert_close(op.per_sample_gradients(), loop, rtol=1e-10, atol=1e-12)
+
+
 def test_forced_coupled_path_agrees_with_per_sample_path():
     model, x, y = _problem("conv", 3)
     delta = torch.randn(sum(p.numel() for p in model.parameters()), dtype=x.dtype)

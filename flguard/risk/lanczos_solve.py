@@ -134,25 +134,36 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
             beta[idx, m] = torch.where(broken, torch.zeros_like(b), b)
     if bool(refine.any()):
         idx = refine.nonzero().squeeze(1)
-        size = int(length[idx].max())
-        theta, s = torch.linalg.eigh(_tridiagonal(alpha[idx], beta[idx], length[idx], size))
-        vectors = torch.einsum("rkn,rkj->rjn", basis[idx, :size], s)  # padding: zero vectors, harmless
-        precond = spectral_preconditioner(theta, vectors, shift[idx])
-
-        def sub_rows(v: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
-            mask = torch.zeros(batch, dtype=torch.bool, device=device)
-            mask[idx[sub]] = True
-            padded = torch.zeros_like(rhs)
-            padded[idx[sub]] = v
-            return _on_rows(matvec, rows_matvec, padded, mask)[idx[sub]]
-
-        every = torch.arange(idx.numel(), device=device)
-        finish = preconditioned_cg(lambda v: sub_rows(v, every), rhs[idx], shift[idx], precond, rtol=rtol,
-                                   max_iter=limit, rows_matvec=sub_rows, initial=x[idx])
-        x[idx], bound[idx] = finish.solution, finish.error_bound
-        matvecs += finish.matvecs
+        x[idx], bound[idx], extra = _finish_with_pcg(matvec, rows_matvec, rhs, x, shift, idx,
+                                                     (basis, alpha, beta, length), rtol, limit)
+        matvecs += extra
     converged = lambda_ok & (bound <= rtol * x.norm(dim=1))
     return LanczosSolveResult(x, lambda_max, shift, bound, lambda_ok, converged, iterations, matvecs)
+
+
+def _finish_with_pcg(matvec: Matvec, rows_matvec: RowsMatvec | None, rhs: torch.Tensor, x: torch.Tensor,
+                     shift: torch.Tensor, idx: torch.Tensor, lanczos_state: tuple, rtol: float,
+                     limit: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(x, error bound, products) of the samples ``idx`` by PCG from their Lanczos x, preconditioned
+    by their own Ritz pairs (the padding past a sample's length gives θ = 0 pairs, which the
+    spectral preconditioner leaves alone)."""
+    basis, alpha, beta, length = lanczos_state
+    batch = rhs.shape[0]
+    size = int(length[idx].max())
+    theta, s = torch.linalg.eigh(_tridiagonal(alpha[idx], beta[idx], length[idx], size))
+    precond = spectral_preconditioner(theta, torch.einsum("rkn,rkj->rjn", basis[idx, :size], s), shift[idx])
+
+    def sub_rows(v: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(batch, dtype=torch.bool, device=rhs.device)
+        mask[idx[sub]] = True
+        padded = torch.zeros_like(rhs)
+        padded[idx[sub]] = v
+        return _on_rows(matvec, rows_matvec, padded, mask)[idx[sub]]
+
+    every = torch.arange(idx.numel(), device=rhs.device)
+    finish = preconditioned_cg(lambda v: sub_rows(v, every), rhs[idx], shift[idx], precond, rtol=rtol,
+                               max_iter=limit, rows_matvec=sub_rows, initial=x[idx])
+    return finish.solution, finish.error_bound, finish.matvecs
 
 
 def _tridiagonal(alpha: torch.Tensor, beta: torch.Tensor, length: torch.Tensor, size: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from flguard.defenses import BASELINES, DIRECTIONS, DefenseContext, Direction, draw_generator
-from flguard.defenses.gaussian import gaussian_direction
+from flguard.defenses.gaussian import gaussian_direction, isotropic
 from flguard.guard_config import THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard_exclusion import excludable, kept_gradient, reachable_at
 from flguard.guard_report import GuardOutput, GuardReport
@@ -133,14 +133,14 @@ class Guard:
         """The calibrated Gaussian with λmax and the I2F solve of its draw z from one Lanczos run
         per sample (``LANCZOS_SOLVE``), then scaled to the floor exactly as ``_meet_floor`` does."""
         cfg = self.config
-        z = torch.randn(op.dtheta, generator=generator, dtype=flat.dtype, device=flat.device)  # gaussian_direction's draw
+        direction = isotropic(op.dtheta, generator, flat)  # gaussian_direction's draw, before ε exists
         shift, jd, converged, lambda_max, eps, lambda_ok = i2f_solve_with_lambda_max(
-            op, z, cfg.eps, cfg.eps_mode == "relative", cfg.rtol, seed=seed)
+            op, direction.vector, cfg.eps, cfg.eps_mode == "relative", cfg.rtol, seed=seed)
         if not bool(lambda_ok.all()):
             raise GuardFailure("λmax did not converge within the Lanczos limit")
         ctx = DefenseContext(op, flat, eps, lambda_max, generator, cfg)
         solved = _checked_solve(shift, jd, converged, allow_unusable=cfg.max_excluded > 0)
-        return self._meet_floor(ctx, (Direction(z, {"kind": "isotropic"}), solved))
+        return self._meet_floor(ctx, (direction, solved))
 
     def _meet_floor(self, ctx: DefenseContext,
                     solved: tuple[Direction, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> _Outcome:
@@ -310,7 +310,7 @@ _UNUSABLE = ("the I2F solve did not converge or the noise direction has no measu
 
 def _budget_noise(flat: torch.Tensor, cfg: GuardConfig, generator: torch.Generator) -> torch.Tensor:
     """Isotropic noise of norm max_rel_noise·‖g‖ — the most the budget allows, no measurement needed."""
-    z = torch.randn(flat.shape, generator=generator, dtype=flat.dtype, device=flat.device)
+    z = isotropic(flat.shape, generator, flat).vector
     return z * (_budget(flat, cfg) / float(z.norm()))
 
 

@@ -14,7 +14,12 @@ import torch
 from flguard.defenses.base import DefenseContext, Direction
 
 
+def isotropic(size: int | tuple, generator: torch.Generator, like: torch.Tensor) -> Direction:
+    """z ~ N(0, I) of ``size`` from the guard's stream, in ``like``'s dtype and device."""
+    z = torch.randn(size, generator=generator, dtype=like.dtype, device=like.device)
+    return Direction(z, {"kind": "isotropic"})
+
+
 def gaussian_direction(ctx: DefenseContext) -> Direction:
     """z ~ N(0, I_dθ); the guard's scale is then σ."""
-    z = torch.randn(ctx.op.dtheta, generator=ctx.generator, dtype=ctx.gradient.dtype, device=ctx.gradient.device)
-    return Direction(z, {"kind": "isotropic"})
+    return isotropic(ctx.op.dtheta, ctx.generator, ctx.gradient)

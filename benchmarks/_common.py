@@ -20,10 +20,11 @@ def model_and_batch(model_name: str, dataset: str, batch: int, *, init: str = "u
     return model.to(device), x.to(device), data.labels[index].to(device), data
 
 
-def demo_round(config_path: str, steps: int, batch: int = 32):
+def demo_round(config_path: str, steps: int, batch: int = 32, device: str = "cpu"):
     """(config, settings, model, batches): the demo's task (``simulations/default.toml``'s warm-started
     model, ``initial_model``) and one local epoch of ``steps`` full batches of client 0's partition,
-    in the seeded order of the task — issue 12 §3's protocol, shared by the cost benchmarks."""
+    in the seeded order of the task — issue 12 §3's protocol, shared by the cost benchmarks. Model and
+    batches on ``device``; the data and the warm start are the same on every device."""
     from flguard.compare.config import load_config
     from flguard.flower.task import TaskSettings, initial_model, load_partition
 
@@ -33,10 +34,17 @@ def demo_round(config_path: str, steps: int, batch: int = 32):
     train, _ = load_partition(settings, 0)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(settings.seed))
     x, y = train.normalize(train.images[order]), train.labels[order]
-    batches = [b for b in zip(x.split(batch), y.split(batch)) if len(b[0]) == batch][:steps]
+    batches = [(bx.to(device), by.to(device)) for bx, by in zip(x.split(batch), y.split(batch))
+               if len(bx) == batch][:steps]
     if len(batches) < steps:
         raise SystemExit(f"client 0 has {len(train)} samples: fewer than {steps} batches of {batch}")
-    return config, settings, model, batches
+    return config, settings, model.to(device), batches
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued kernels, so a wall-clock reading covers them (no-op on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # -- helpers of the evidence studies (issue 7) -------------------------------------------------

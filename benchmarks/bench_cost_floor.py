@@ -27,7 +27,7 @@ strength — each a floor computed from the parts, except the shipped guard's, w
 4. the round's update guarded once with the exact multi-step Jacobian: the shipped guard's
    products per step, each also carrying T − 1 B-vector HVPs on average.
 
-    cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_cost_floor.py [--steps 20] [--defenses gaussian eigen]
+    cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_cost_floor.py [--steps 20] [--defenses gaussian eigen] [--device cuda]
 """
 
 from __future__ import annotations
@@ -41,21 +41,23 @@ from typing import Callable
 import torch
 from torch.func import functional_call, grad, jvp, vmap
 
-from _common import demo_round
+from _common import demo_round, synchronize
 from bench_guard_round import HEADER, measure_round, run_round
 from flguard.risk.operator import ClippedJacobian, JacobianOperator
 
 
-def _ms(fn: Callable[[], object]) -> float:
+def _ms(fn: Callable[[], object], device: torch.device) -> float:
+    synchronize(device)
     start = time.perf_counter()
     fn()
+    synchronize(device)
     return (time.perf_counter() - start) * 1e3
 
 
 def hvp_batch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, k: int) -> Callable[[], torch.Tensor]:
     """A call that applies the batch loss's Hessian H = ∇²_θ L(x, θ) to ``k`` random vectors at once."""
     params = {n: p.detach() for n, p in model.named_parameters()}
-    tangents = {n: torch.randn(k, *p.shape) for n, p in params.items()}
+    tangents = {n: torch.randn(k, *p.shape, device=p.device) for n, p in params.items()}
 
     def loss(p):
         return torch.nn.functional.cross_entropy(functional_call(model, p, (x,)), y)
@@ -68,21 +70,22 @@ def parts(model: torch.nn.Module, batches, lr: float, clip: float | None) -> dic
     """Median ms per batch of each part (see module doc); ``train``: per step of an unguarded round."""
     times: dict[str, list[float]] = {key: [] for key in ("operator", "j_first", "j", "jt_first", "jt", "k", "hvp")}
     rounds = [run_round(copy.deepcopy(model), batches, lr)[0] * 1e3 / len(batches) for _ in range(3)]
+    device = batches[0][0].device
     for x, y in batches:
         holder: dict = {}
 
         def build():
             op = JacobianOperator(model, x, y)
             holder["op"] = ClippedJacobian(op, clip) if clip is not None else op
-        times["operator"].append(_ms(build))
+        times["operator"].append(_ms(build, device))
         op, b = holder["op"], x.shape[0]
-        v, u = torch.randn(b, 1, op.dtheta), torch.randn(b, 1, op.dx)
-        times["j_first"].append(_ms(lambda: op.j(v)))
-        times["j"].append(_ms(lambda: op.j(v)))
-        times["jt_first"].append(_ms(lambda: op.jt(u)))
-        times["jt"].append(_ms(lambda: op.jt(u)))
-        times["k"].append(_ms(lambda: op.kmv(u)))
-        times["hvp"].append(_ms(hvp_batch(model, x, y, b)))
+        v, u = torch.randn(b, 1, op.dtheta, device=device), torch.randn(b, 1, op.dx, device=device)
+        times["j_first"].append(_ms(lambda: op.j(v), device))
+        times["j"].append(_ms(lambda: op.j(v), device))
+        times["jt_first"].append(_ms(lambda: op.jt(u), device))
+        times["jt"].append(_ms(lambda: op.jt(u), device))
+        times["k"].append(_ms(lambda: op.kmv(u), device))
+        times["hvp"].append(_ms(hvp_batch(model, x, y, b), device))
     return {"train": statistics.median(rounds), **{key: statistics.median(values) for key, values in times.items()}}
 
 
@@ -92,9 +95,10 @@ def main() -> None:
     parser.add_argument("--defenses", nargs="+", default=["gaussian", "eigen"])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: model, batches, parts and guard there")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    config, settings, model, batches = demo_round(args.config, args.steps)
+    config, settings, model, batches = demo_round(args.config, args.steps, device=args.device)
     guard_configs = {name: config.guard_config(config.defense(name)) for name in args.defenses}
     clip = next(iter(guard_configs.values())).clip_per_sample
     run_round(copy.deepcopy(model), batches[:2], settings.lr)  # warm-up
@@ -102,7 +106,7 @@ def main() -> None:
     t = parts(model, batches, settings.lr, clip)
     steps, train = len(batches), t["train"]
     print(f"demo ({args.config}): {settings.model} on {settings.dataset}, client 0, B={batches[0][0].shape[0]}, "
-          f"{steps} steps, clip C={clip}, CPU, torch threads={args.threads}")
+          f"{steps} steps, clip C={clip}, {args.device}, torch threads={args.threads}")
     print("median ms per batch (÷ training step): " + ", ".join(
         f"{key} {value:.1f} ({value / train:.2f})" for key, value in t.items()))
     print(HEADER)

@@ -10,7 +10,7 @@ epoch runs every step of a 4-client partition of MNIST-5k (1,250 samples); guard
 ``--demo`` (issue 12 §3's protocol): the demo's own trained model and guard configs —
 ``simulations/default.toml``'s task (the warm-started quickstart CNN, ``initial_model``) and its
 ``gaussian`` and ``eigen`` GuardConfigs (``guard_values``) — one local epoch of ``--steps`` ≥ 20 SGD
-steps at B = 32 on client 0's partition, CPU, 1 thread; per row the round ratio (guarded / unguarded
+steps at B = 32 on client 0's partition, CPU, 1 thread (``--device cuda``: the same on a GPU); per row the round ratio (guarded / unguarded
 round wall time) beside the per-step one, and the cost model (Jacobian products per guarded step
 by solver, ms per product against ms per training step), from ``bench_guard_round.measure_round``.
 ``--precondition off on`` runs each defense with plain CG and with the spectral PCG
@@ -20,7 +20,7 @@ only (``flguard.risk.regularised.SHRINK_TO_ACTIVE``, the default); ``--one-run o
 Lanczos run then (P)CG, and with λmax and the solve from one Lanczos run (``flguard.guard.LANCZOS_SOLVE``,
 the default; with it ``--precondition`` does not apply to gaussian).
 
-    python benchmarks/bench_guard_overhead.py --demo [--steps 20] [--precondition off on]
+    python benchmarks/bench_guard_overhead.py --demo [--steps 20] [--precondition off on] [--device cuda]
 """
 
 from __future__ import annotations
@@ -60,11 +60,11 @@ def demo(args) -> None:
     from bench_guard_round import HEADER, measure_round, run_round
 
     torch.set_num_threads(args.threads)
-    config, settings, model, batches = demo_round(args.config, args.steps, args.batch)
+    config, settings, model, batches = demo_round(args.config, args.steps, args.batch, args.device)
     specs = [config.defense(name) for name in args.defenses]
     run_round(copy.deepcopy(model), batches[:2], settings.lr)  # warm-up
     print(f"demo ({args.config}): warm-started {settings.model} on {settings.dataset}, client 0, B={args.batch}, "
-          f"{len(batches)} steps, lr {settings.lr}, CPU, torch threads={args.threads}")
+          f"{len(batches)} steps, lr {settings.lr}, {_device_name(args.device)}, torch threads={args.threads}")
     print(HEADER)
     for spec in specs:
         one_run = args.one_run if spec.defense == "gaussian" else ["on"]  # eigen's directions need the spectrum first
@@ -72,11 +72,16 @@ def demo(args) -> None:
             guard_module.PRECONDITION_CG = mode == "on"
             guard_module.LANCZOS_SOLVE = joint == "on"
             regularised_module.COMPILE_PRODUCTS = compiled == "on"
+            regularised_module.COMPILE_MODE = args.compile_mode
             regularised_module.SHRINK_TO_ACTIVE = shrink == "on"
             label = (f"{spec.name}{'+1run' if joint == 'on' and spec.defense == 'gaussian' else ''}"
                      f"{'+pcg' if mode == 'on' else ''}{'+compile' if compiled == 'on' else ''}"
                      f"{'+shrink' if shrink == 'on' else ''}")
             measure_round(label, config.guard_config(spec), model, batches, settings.lr)
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "CPU"
 
 
 def main() -> None:
@@ -86,10 +91,14 @@ def main() -> None:
     parser.add_argument("--defenses", nargs="+", default=["gaussian", "eigen"], help="--demo: defense names")
     parser.add_argument("--steps", type=int, default=20, help="--demo: local steps (one epoch)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="--demo: cpu or cuda (model, batches and guard there)")
     parser.add_argument("--precondition", nargs="+", choices=["off", "on"], default=["off", "on"])
     parser.add_argument("--compile", nargs="+", choices=["off", "on"], default=["off"],
                         help="--demo: K products through torch.compile (flguard.risk.regularised.COMPILE_PRODUCTS), "
                              "per row in turn; the first compile is inside the first compiled round's time")
+    parser.add_argument("--compile-mode", default=None,
+                        help="--demo: torch.compile's mode for --compile on (flguard.risk.regularised.COMPILE_MODE), "
+                             "e.g. reduce-overhead (CUDA graphs)")
     parser.add_argument("--shrink", nargs="+", choices=["off", "on"], default=["on"],
                         help="--demo: the solves' products on the still-iterating samples only "
                              "(flguard.risk.regularised.SHRINK_TO_ACTIVE), per row in turn")

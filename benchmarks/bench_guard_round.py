@@ -79,8 +79,13 @@ def apply_update(model, g, lr) -> None:
 
 
 def run_round(model, batches, lr, guard=None):
-    """(seconds, per-step report list) of one local round; guard None = unguarded."""
+    """(seconds, per-step report list) of one local round; guard None = unguarded. On a GPU the
+    clock is read after the device's queue is drained, at both ends."""
+    from _common import synchronize
+
+    device = next(model.parameters()).device
     reports = []
+    synchronize(device)
     start = time.perf_counter()
     for bx, by in batches:
         g = step_gradient(model, bx, by)
@@ -91,6 +96,7 @@ def run_round(model, batches, lr, guard=None):
                 continue
             g = out.gradient
         apply_update(model, g, lr)
+    synchronize(device)
     return time.perf_counter() - start, reports
 
 

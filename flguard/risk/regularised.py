@@ -24,6 +24,9 @@ from flguard.risk.operator import Jacobian, base_operator
 #: graph across operators of the same shapes). Off by default: the first compile of a process takes
 #: seconds to a minute, and it is measured, not assumed, to pay (docs/results.md, "cost, continued").
 COMPILE_PRODUCTS = False
+#: ``torch.compile``'s ``mode`` for those products (None: its default; "reduce-overhead" replays
+#: them as CUDA graphs on a GPU, where the guard's many small kernels are launch-bound).
+COMPILE_MODE: str | None = None
 
 #: The solves' products on the samples still iterating only (``ShrinkingProducts``): same iterates,
 #: fewer sample-products once most samples have certified (docs/results.md, "cost, continued").
@@ -89,12 +92,12 @@ class RegularisedK:
         if COMPILE_PRODUCTS:  # the first product builds the operator's pullbacks eagerly, later ones compiled
             compiled = getattr(self.op, "_compiled_kmv", None)
             if compiled is None:
-                setattr(self.op, "_compiled_kmv", torch.compile(self.op.kmv))
+                setattr(self.op, "_compiled_kmv", torch.compile(self.op.kmv, mode=COMPILE_MODE))
             else:
                 kmv = compiled
-        if u.ndim == 2:
-            return kmv(u.unsqueeze(1)).squeeze(1)
-        return kmv(u)
+        out = kmv(u.unsqueeze(1)).squeeze(1) if u.ndim == 2 else kmv(u)
+        # CUDA-graph replays ("reduce-overhead") write their outputs into buffers the next replay reuses
+        return out.clone() if kmv is not self.op.kmv else out
 
     def matvec(self, u: torch.Tensor) -> torch.Tensor:
         """(K_i + ε_iI) u_i for u [B, dx] or [B, k, dx] (same shape back)."""

@@ -27,6 +27,7 @@ import torch
 
 import flguard.guard as guard_module
 import flguard.risk.regularised as regularised_module
+from _common import synchronize
 from flguard import Guard, GuardConfig
 from flguard.data import load
 from flguard.models import create
@@ -81,8 +82,6 @@ def apply_update(model, g, lr) -> None:
 def run_round(model, batches, lr, guard=None):
     """(seconds, per-step report list) of one local round; guard None = unguarded. On a GPU the
     clock is read after the device's queue is drained, at both ends."""
-    from _common import synchronize
-
     device = next(model.parameters()).device
     reports = []
     synchronize(device)

@@ -88,7 +88,7 @@ class RegularisedK:
 
     def _kernel(self, u: torch.Tensor) -> torch.Tensor:
         """K_i u_i, u [B, dx] or [B, k, dx]."""
-        kmv = self.op.kmv
+        kmv, compiled = self.op.kmv, None
         if COMPILE_PRODUCTS:  # the first product builds the operator's pullbacks eagerly, later ones compiled
             compiled = getattr(self.op, "_compiled_kmv", None)
             if compiled is None:
@@ -96,8 +96,9 @@ class RegularisedK:
             else:
                 kmv = compiled
         out = kmv(u.unsqueeze(1)).squeeze(1) if u.ndim == 2 else kmv(u)
-        # CUDA-graph replays ("reduce-overhead") write their outputs into buffers the next replay reuses
-        return out.clone() if kmv is not self.op.kmv else out
+        # CUDA-graph replays ("reduce-overhead") write their outputs into buffers the next replay reuses;
+        # eager products own their outputs and are not copied
+        return out if compiled is None else out.clone()
 
     def matvec(self, u: torch.Tensor) -> torch.Tensor:
         """(K_i + ε_iI) u_i for u [B, dx] or [B, k, dx] (same shape back)."""

@@ -2,7 +2,8 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "Guard", "GuardConfig", "GuardReport", "GuardOutput", "GuardFailure", "make_guarded"]
+__all__ = ["__version__", "Guard", "GuardConfig", "GuardReport", "GuardOutput", "GuardFailure", "make_guarded",
+           "check_model", "fix_model", "UnsupportedModel"]
 
 
 def __getattr__(name: str):
@@ -15,6 +16,10 @@ def __getattr__(name: str):
         from flguard.training import make_guarded
 
         return make_guarded
+    if name in ("check_model", "fix_model", "UnsupportedModel"):
+        from flguard import guard_model
+
+        return getattr(guard_model, name)
     if name == "GuardConfig":
         from flguard.guard_config import GuardConfig
 

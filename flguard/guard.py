@@ -21,10 +21,11 @@ from flguard.defenses import BASELINES, DIRECTIONS, DefenseContext, Direction, d
 from flguard.defenses.gaussian import gaussian_direction, isotropic
 from flguard.guard_config import THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard_exclusion import excludable, kept_gradient, reachable_at
+from flguard.guard_model import require_supported
 from flguard.guard_report import GuardOutput, GuardReport
 from flguard.risk.assess import i2f_norms, i2f_solve, i2f_solve_with_lambda_max, jacobian_product
 from flguard.risk.closed_forms import from_rmse, i2f_lower_bound, to_rmse
-from flguard.risk.operator import ClippedJacobian, Jacobian, JacobianOperator, LossFn, base_operator
+from flguard.risk.operator import ClippedJacobian, Jacobian, JacobianOperator, LossFn, ProductLimit, base_operator
 from flguard.risk.regularised import RegularisedK
 
 
@@ -81,12 +82,15 @@ class Guard:
         cfg = self.config
         batch = int(x.shape[0])
         op: Jacobian | None = None
+        self._clip: float | None = None  # this step's clipping norm C, once known (the budget's unit)
+        require_supported(model, "Guard.protect")  # a clear error before any measuring, not a failed step
         try:
             flat = _checked_gradient(gradient, model)
-            op = JacobianOperator(model, x, y, loss_fn)
+            op = JacobianOperator(model, x, y, loss_fn, limit=ProductLimit(batch, cfg.max_products, cfg.max_seconds))
             if cfg.clip_per_sample is not None:  # the attacker then inverts the clipped upload
-                op = _clipped(op, flat, cfg.clip_per_sample)
+                op = _clipped(op, flat, clip_level(cfg.clip_per_sample, op))
                 flat = op.gradient
+                self._clip = op.clip
             outcome = self._perturb(op, flat)
         except Exception as error:  # fail closed on anything, with the reason in the report
             reason = str(error) if isinstance(error, GuardFailure) else f"{type(error).__name__}: {error}"
@@ -136,7 +140,7 @@ class Guard:
         direction = isotropic(op.dtheta, generator, flat)  # gaussian_direction's draw, before ε exists
         shift, jd, converged, lambda_max, eps, lambda_ok = i2f_solve_with_lambda_max(
             op, direction.vector, cfg.eps, cfg.eps_mode == "relative", cfg.rtol, seed=seed)
-        if not bool(lambda_ok.all()):
+        if not bool(lambda_ok.all()) and cfg.max_excluded <= 0:  # else such a sample is one to leave out
             raise GuardFailure("λmax did not converge within the Lanczos limit")
         ctx = DefenseContext(op, flat, eps, lambda_max, generator, cfg)
         solved = _checked_solve(shift, jd, converged, allow_unusable=cfg.max_excluded > 0)
@@ -165,7 +169,7 @@ class Guard:
         # noise does not move it) is one more sample to leave out rather than a reason to withhold
         shift, unit_jd, usable = (solved[1] if solved is not None else
                                   self._solve(ctx, vector, allow_unusable=cfg.max_excluded > 0 and floor == 0))
-        budget = _budget(ctx.gradient, cfg)
+        budget = _budget(ctx.gradient, cfg, self._clip)
         info: dict = {}
         if floor > 0:  # an isotropic part of its own that meets floor·τ: no subspace to discard
             z = gaussian_direction(ctx).vector
@@ -196,8 +200,8 @@ class Guard:
         if not reachable or float(noise.norm()) > budget:
             return _Outcome(noise, rmse, _rmse_lb(jd, ctx.lambda_max, op.dx), ctx.eps, False,
                             f"the floor τ={cfg.floor:.4g} needs noise {float(noise.norm()):.4g} = "
-                            + (f"{float(noise.norm()) / cfg.clip_per_sample:.3g}× the clipping norm C"
-                               if cfg.clip_per_sample is not None else
+                            + (f"{float(noise.norm()) / self._clip:.3g}× the clipping norm C={self._clip:.3g}"
+                               if self._clip is not None else
                                f"{float(noise.norm()) / max(float(ctx.gradient.norm()), 1e-30):.3g}× the gradient norm")
                             + f"{'' if reachable else ' or more (input_bounds clip the predicted error)'}; "
                             f"budget max_rel_noise={cfg.max_rel_noise}", info)
@@ -257,7 +261,7 @@ class Guard:
             report.seconds = time.perf_counter() - start
             return GuardOutput(original.clone(), report)
         if cfg.on_unmet == "max-noise":
-            noise = _budget_noise(flat, cfg, self._generator(flat.device))
+            noise = _budget_noise(flat, cfg, self._generator(flat.device), getattr(self, "_clip", None))
             report.noise_norm, report.rel_noise = float(noise.norm()), cfg.max_rel_noise
             report.reason += " (sent with the full noise budget, isotropic; floor not verified)"
             report.seconds = time.perf_counter() - start
@@ -308,18 +312,41 @@ _UNUSABLE = ("the I2F solve did not converge or the noise direction has no measu
              "and leaving it out is not possible (max_excluded)")
 
 
-def _budget_noise(flat: torch.Tensor, cfg: GuardConfig, generator: torch.Generator) -> torch.Tensor:
-    """Isotropic noise of norm max_rel_noise·‖g‖ — the most the budget allows, no measurement needed."""
+def _budget_noise(flat: torch.Tensor, cfg: GuardConfig, generator: torch.Generator,
+                  clip: float | None) -> torch.Tensor:
+    """Isotropic noise of norm max_rel_noise·‖g‖ (or ·C) — the most the budget allows, no measurement needed."""
     z = isotropic(flat.shape, generator, flat).vector
-    return z * (_budget(flat, cfg) / float(z.norm()))
+    return z * (_budget(flat, cfg, clip) / float(z.norm()))
 
 
-def _budget(flat: torch.Tensor, cfg: GuardConfig) -> float:
+def _budget(flat: torch.Tensor, cfg: GuardConfig, clip: float | None) -> float:
     """The most noise (norm) an update may carry: max_rel_noise × ‖g‖, or with per-sample clipping
-    × C — the largest norm the clipped mean update can have (DP-SGD's unit), which unlike ‖g‖ does
-    not shrink as the model converges and the samples' gradients cancel."""
-    unit = cfg.clip_per_sample if cfg.clip_per_sample is not None else float(flat.norm())
-    return cfg.max_rel_noise * unit
+    × C (``clip``, this step's clipping norm) — the largest norm the clipped mean update can have
+    (DP-SGD's unit), which unlike ‖g‖ does not shrink as the model converges and the samples'
+    gradients cancel. With clipping but no C yet (a step that failed before measuring), a numeric
+    ``clip_per_sample``, else ‖g‖."""
+    if clip is None and isinstance(cfg.clip_per_sample, (int, float)):
+        clip = float(cfg.clip_per_sample)
+    return cfg.max_rel_noise * (clip if clip is not None else float(flat.norm()))
+
+
+def clip_level(setting: float | str, op: JacobianOperator) -> float:
+    """This step's clipping norm C: ``clip_per_sample`` itself, or for ``"median"`` the median of the
+    batch's unscaled per-sample gradient norms ‖g_i‖ (the lower median for an even batch, so C is
+    one sample's norm; that sample is measured unclipped, the derivative of clip_C from below).
+
+    ``"median"`` needs no tuning: C and the budget max_rel_noise·C scale with the model's gradients,
+    from one step to the next and from a small CNN to a ResNet, and half the batch is clipped. C is
+    a statistic of the batch; the guard's threat model takes it as known to the attacker (it is
+    part of "everything but sample i"), and each block is measured at that C."""
+    if not isinstance(setting, str):
+        return float(setting)
+    norms = op.per_sample_gradients().norm(dim=1)
+    level = float(norms.median())
+    if not level > 0:
+        raise GuardFailure("clip_per_sample='median': the median per-sample gradient norm is 0 (half the batch has "
+                           "a zero gradient); set a numeric clip_per_sample")
+    return level
 
 
 def _clipped(op: JacobianOperator, flat: torch.Tensor, clip: float) -> ClippedJacobian:

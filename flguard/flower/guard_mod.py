@@ -42,7 +42,7 @@ from torch import nn
 
 from flguard.guard import Guard, GuardFailure
 from flguard.config import ConfigError
-from flguard.guard_config import THRESHOLD_DEFENSES, GuardConfig, all_guard_fields
+from flguard.guard_config import NONE_STRINGS, THRESHOLD_DEFENSES, GuardConfig, all_guard_fields
 from flguard.guard_report import METRIC_KEYS, GuardReport, summarise
 from flguard.guard_session import GuardSession, active_session, open_session
 
@@ -187,7 +187,8 @@ def guard_run_config(config: GuardConfig | None, prefix: str = "guard-") -> dict
         if isinstance(value, (tuple, list)):
             raise ConfigError(f"{type(config).__name__}.{name}: value={value!r} is not allowed: a run config "
                               "carries numbers, strings and booleans (give a scalar, or 'batch' for input_bounds)")
-        keys[f"{prefix}{name.replace('_', '-')}"] = "" if value is None else value
+        off = value is None and name in NONE_STRINGS and name in values  # None switching a default off
+        keys[f"{prefix}{name.replace('_', '-')}"] = "none" if off else ("" if value is None else value)
     return keys
 
 

@@ -1,5 +1,6 @@
 """Architectures: Flower's quickstart CNN, the I2F LeNet, Chen & Campbell's CNN variants, an MLP, a linear
-model, ResNet18."""
+model, ResNet-18 (BatchNorm, for the attack studies) and the GroupNorm ResNets the guard certifies
+(``flguard.models.resnet``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from flguard.models.init import initialize
+from flguard.models.resnet import resnet8_gn, resnet18_gn, resnet20_gn
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,11 @@ def _linear(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
 
 
 def _resnet18(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
-    """torchvision's ResNet18 with the usual small-image stem (3x3 stride-1 conv, no max-pool)."""
+    """torchvision's ResNet18 with the usual small-image stem (3x3 stride-1 conv, no max-pool).
+
+    Its BatchNorm layers couple the samples of a batch: the guard refuses it (``flguard.check_model``).
+    It stays for the attack studies (run in eval mode); to guard a ResNet-18 use ``resnet18_gn``, the
+    same network with GroupNorm (what ``flguard.fix_model`` makes of this one)."""
     from torchvision.models import resnet18
 
     if image_size < 8:
@@ -138,6 +144,9 @@ _BUILDERS: dict[str, Callable[[int, int, int], nn.Module]] = {
     "mlp": _mlp,
     "linear": _linear,
     "resnet18": _resnet18,
+    "resnet18_gn": resnet18_gn,
+    "resnet20_gn": resnet20_gn,
+    "resnet8_gn": resnet8_gn,
 }
 MODEL_NAMES = tuple(_BUILDERS)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -38,6 +39,37 @@ from torch.func import functional_call, grad, jvp, vjp, vmap
 import torch.nn.functional as F
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ProductLimitReached(RuntimeError):
+    """A step's limit on Jacobian products or seconds (``ProductLimit``) was reached; the message names it."""
+
+
+class ProductLimit:
+    """A per-step budget on the operator's work, checked before every product: at most
+    ``max_products`` applications per sample (a product on r of the B samples with k vectors each
+    counts k·r/B, as ``applications`` does) and at most ``max_seconds`` of wall time from its
+    creation. Shared by an operator and every ``restricted`` copy of it, so the solvers' partial
+    products count too. Reaching either raises ``ProductLimitReached`` naming the limit: the
+    caller (the guard) then withholds the step, whatever the solver was doing."""
+
+    def __init__(self, batch_size: int, max_products: float | None = None, max_seconds: float | None = None) -> None:
+        self.batch_size = batch_size
+        self.max_products, self.max_seconds = max_products, max_seconds
+        self.products = 0.0
+        self.start = time.perf_counter()
+
+    def charge(self, vectors: int, rows: int) -> None:
+        """Count a product of ``vectors`` per sample on ``rows`` samples, after checking the limits."""
+        cost = vectors * rows / self.batch_size
+        if self.max_products is not None and self.products + cost > self.max_products + 1e-9:
+            raise ProductLimitReached(f"the step's limit max_products={self.max_products:g} Jacobian products per "
+                                      f"sample was reached ({self.products:.1f} taken)")
+        if self.max_seconds is not None and time.perf_counter() - self.start > self.max_seconds:
+            raise ProductLimitReached(f"the step's limit max_seconds={self.max_seconds:g} was reached "
+                                      f"({time.perf_counter() - self.start:.1f} s, {self.products:.1f} products "
+                                      "per sample)")
+        self.products += cost
 
 
 def default_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -94,13 +126,15 @@ class JacobianOperator:
     Vectors are batched as [B, k, dx] for ``jt`` and [B, k, dθ] for ``j``; ``applications``
     counts operator applications per sample (a call on k vectors for each sample counts k; work
     done on a ``restricted`` operator is added by ``RegularisedK``'s solves as its share of B).
+    ``limit`` (a ``ProductLimit``, shared with restricted copies) caps the work of one step.
     The operator is a snapshot of (model, batch): its products reuse pullbacks built at the first
     call, so build a new operator after changing the model's parameters (products of an operator
     whose parameters were then modified in place are not defined).
     """
 
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,
-                 *, coupled: bool | None = None, chunk_size: int | None = None) -> None:
+                 *, coupled: bool | None = None, chunk_size: int | None = None,
+                 limit: ProductLimit | None = None) -> None:
         check_deterministic(model)
         self.model = model
         self.loss_fn = loss_fn or default_loss
@@ -110,13 +144,17 @@ class JacobianOperator:
         params = dict(model.named_parameters())
         self.params = {n: params[n].detach() for n in self.names}
         self.buffers = dict(model.named_buffers())
-        self.x = x.detach().to(next(iter(self.params.values())).dtype)
+        # contiguous: the same values, but the products never take channels-last kernels — torch 2.14's CPU
+        # float32 weight gradient of a strided 1×1 convolution (a ResNet shortcut) is wrong and varies
+        # from call to call on channels-last inputs (docs/results.md, "Channels-last on the CPU")
+        self.x = x.detach().to(next(iter(self.params.values())).dtype).contiguous()
         self.y = y.detach()
         self.batch_size = int(x.shape[0])
         self.input_shape = tuple(x.shape[1:])
         self.dx = int(self.x[0].numel())
         self.dtheta = sum(p.numel() for p in self.params.values())
         self.chunk_size = chunk_size
+        self.limit = limit
         self.applications = 0
         self._cached_pullback: Callable | None = None
         self._cached_transpose: Callable | None = None
@@ -163,7 +201,7 @@ class JacobianOperator:
     def jt(self, u: torch.Tensor) -> torch.Tensor:
         """J_iᵀ u_i for every sample: u [B, k, dx] → [B, k, dθ]."""
         batch, k = self._check(u, self.dx)
-        self.applications += k
+        self._charge(batch, k)
         with batchnorm_without_running_stats(self.model):
             if not self.coupled:
                 pullback = self._transpose_pullback()
@@ -174,9 +212,9 @@ class JacobianOperator:
             tangents = torch.zeros(batch, k, batch, self.dx, dtype=u.dtype, device=u.device)
             idx = torch.arange(batch, device=u.device)
             tangents[idx, :, idx] = u
-            tangents = tangents.view(batch * k, *self.x.shape)
+            tangents = tangents.reshape(batch * k, *self.x.shape)
             out = self._vmap(lambda t: jvp(self._batch_grad, (self.x,), (t,))[1])(tangents)
-            return out.view(batch, k, self.dtheta)
+            return out.reshape(batch, k, self.dtheta)
 
     def _transpose_pullback(self) -> Callable:
         """Per-sample path: the vjp of (θ_1..θ_B) ↦ (∇_{x_i} ℓ(f(x_i; θ_i), y_i))_i at θ_i = θ, built
@@ -196,7 +234,7 @@ class JacobianOperator:
     def j(self, v: torch.Tensor) -> torch.Tensor:
         """J_i v_i for every sample: v [B, k, dθ] → [B, k, dx]."""
         batch, k = self._check(v, self.dtheta)
-        self.applications += k
+        self._charge(batch, k)
         pullback = self._pullback()
         with batchnorm_without_running_stats(self.model):
             if not self.coupled:
@@ -207,7 +245,7 @@ class JacobianOperator:
                             chunk_size=self.chunk_size)(v)
                 return self.scale * rows
             rows = vmap(lambda w: pullback(w)[0], chunk_size=self.chunk_size)(v.reshape(batch * k, self.dtheta))
-            rows = rows.view(batch, k, batch, self.dx)
+            rows = rows.reshape(batch, k, batch, self.dx)
             idx = torch.arange(batch, device=v.device)
             return rows[idx, :, idx]
 
@@ -266,6 +304,11 @@ class JacobianOperator:
         """The shared gradient g = ∇_θ L(X, θ), flat [dθ]."""
         with batchnorm_without_running_stats(self.model):
             return self._batch_grad(self.x)
+
+    def _charge(self, batch: int, k: int) -> None:
+        if self.limit is not None:
+            self.limit.charge(k, batch)
+        self.applications += k
 
     def _check(self, vectors: torch.Tensor, dim: int) -> tuple[int, int]:
         if vectors.ndim != 3 or vectors.shape[0] != self.batch_size or vectors.shape[2] != dim:

@@ -1,0 +1,132 @@
+"""The guard with its defaults on the models practitioners train: cost, memory and sent share by model size.
+
+For each model: train it unguarded (``--train-steps`` SGD steps from a fixed seed), then run the same
+local round (``--steps`` SGD steps at batch ``B``, the same batches) twice through an ordinary
+``loss.backward(); optimizer.step()`` loop — unguarded, and through ``flguard.make_guarded`` with only
+the data's normalisation given (``GuardConfig(pixel_mean=…, pixel_std=…)``: every other setting the
+default). Each round runs in a child process of its own, so its peak RSS is its own. Printed per
+model and batch size: guarded / unguarded ms per step (medians), Jacobian products per sample per
+guarded step, steps sent, samples left out, peak RSS of each round, test accuracy before and after.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_guard_models.py                   # cnn B=32, resnet20_gn B=32
+    OMP_NUM_THREADS=1 python benchmarks/bench_guard_models.py --models resnet18_gn --batch 8 --steps 10
+    python benchmarks/bench_guard_models.py --device cuda --models cnn,resnet20_gn,resnet18_gn
+
+Models: ``cnn`` (Flower's quickstart CNN) on ``mnist5k``; ``resnet20_gn`` and ``resnet18_gn`` (GroupNorm)
+on ``photos32`` (offline 32×32 colour crops). Results go to benchmarks/results/bench_guard_models.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import resource
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from _common import study_paths, synchronize, write_table
+
+DATASETS = {"cnn": "mnist5k", "resnet20_gn": "photos32", "resnet18_gn": "photos32", "resnet8_gn": "photos32"}
+LEARNING_RATE = {"cnn": 0.05, "resnet20_gn": 0.05, "resnet18_gn": 0.05, "resnet8_gn": 0.05}
+
+
+def _task(name: str, train_steps: int, device: str, seed: int = 0):
+    """(model trained unguarded, train split, test split, data) — deterministic for (name, train_steps, seed)."""
+    from flguard.data import load
+    from flguard.models import create
+
+    data = load(DATASETS[name])
+    train, test = data.split(0.2, seed=seed)
+    torch.manual_seed(seed)
+    channels, size, _ = data.shape
+    model = create(name, in_channels=channels, num_classes=data.num_classes, image_size=size).to(device)
+    x, y = data.normalize(train.images).to(device), train.labels.to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE[name], momentum=0.9)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    for step in range(train_steps):
+        idx = order[(step * 32) % (len(y) - 32):][:32]
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+    return model, (x, y), (data.normalize(test.images).to(device), test.labels.to(device)), data
+
+
+def _accuracy(model, x, y) -> float:
+    with torch.no_grad():
+        return 100.0 * float(torch.cat([model(b).argmax(1) for b in x.split(256)]).eq(y).float().mean())
+
+
+def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, device: str, seed: int) -> dict:
+    """One local round in this (child) process; its measurements and this process's peak RSS."""
+    from flguard import GuardConfig, GuardFailure, make_guarded
+
+    model, (x, y), test, data = _task(name, train_steps, device, seed)
+    before = _accuracy(model, *test)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE[name] / 5)
+    criterion = torch.nn.CrossEntropyLoss()
+    if guarded:
+        config = GuardConfig(pixel_mean=data.mean, pixel_std=data.std)
+        model, optimizer, criterion = make_guarded(model, optimizer, criterion, config)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed + 1))[:steps * batch]
+    seconds, sent, left_out, products, reasons = [], 0, 0, [], []
+    for idx in order.split(batch):
+        synchronize(device)
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        criterion(model(x[idx]), y[idx]).backward()
+        try:
+            optimizer.step()
+            sent += 1
+        except GuardFailure as failure:
+            reasons.append(str(failure)[:120])
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+        if guarded:
+            report = optimizer.guard_reports[-1]
+            products.append(report.matvecs)
+            left_out += int(report.details.get("excluded", 0)) if report.met else 0
+    return dict(ms=1000 * statistics.median(seconds), sent=sent, left_out=left_out,
+                products=statistics.median(products) if products else 0.0, reasons=reasons,
+                rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                acc_before=before, acc_after=_accuracy(model, *test),
+                params=sum(p.numel() for p in model.parameters()))
+
+
+def _in_child(*args) -> dict:
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_round, args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="cnn,resnet20_gn")
+    parser.add_argument("--batch", default="32", help="batch sizes, comma-separated")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--train-steps", type=int, default=150)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rows = []
+    for name in args.models.split(","):
+        for batch in (int(b) for b in args.batch.split(",")):
+            plain = _in_child(name, batch, args.steps, args.train_steps, False, args.device, args.seed)
+            guard = _in_child(name, batch, args.steps, args.train_steps, True, args.device, args.seed)
+            row = dict(model=name, params=plain["params"], B=batch, steps=args.steps, device=args.device,
+                       train_ms=plain["ms"], guard_ms=guard["ms"], ratio=guard["ms"] / plain["ms"],
+                       products=guard["products"], sent=f"{guard['sent']}/{args.steps}",
+                       left_out=guard["left_out"], rss_train_gb=plain["rss_gb"], rss_guard_gb=guard["rss_gb"],
+                       acc_before=plain["acc_before"], acc_train=plain["acc_after"], acc_guard=guard["acc_after"])
+            rows.append(row)
+            print(row, flush=True)
+            for reason in guard["reasons"]:
+                print("   withheld:", reason, flush=True)
+    _, table = study_paths("bench_guard_models")
+    print(write_table(rows, table))
+
+
+if __name__ == "__main__":
+    main()

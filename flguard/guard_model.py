@@ -1,0 +1,126 @@
+"""Which models the guard can certify, checked before the first step: ``check_model`` and ``fix_model``.
+
+The guard certifies each sample's block J_i = ∇_{x_i}∇_θ L of the update. That is a property of
+sample i alone only when the forward pass treats samples independently and deterministically:
+
+* **train-mode BatchNorm** normalises every sample with the batch's mean and variance, so each
+  block depends on the whole batch (the exact coupled Jacobian costs B times the per-sample one
+  and its memory grows with every product on a ResNet), and it updates its running statistics —
+  buffers that a Flower client sends with the parameters, unguarded. The fix is the one Opacus
+  makes (``ModuleValidator.fix``): GroupNorm with the same channels, per-sample by construction.
+* **train-mode Dropout** multiplies by a random mask: the Jacobian of a random map is not a
+  property of the sample, and the guard's recomputed gradient would not be the one sent.
+* **InstanceNorm with running statistics** is per-sample in its forward pass but updates its
+  running buffers from the batch in train mode: the same unguarded side channel as BatchNorm's.
+
+``check_model`` lists these problems (each names the module's path, why, and the fix);
+``make_guarded`` and ``Guard.protect`` refuse a model with any of them before measuring, with an
+``UnsupportedModel`` error that names BatchNorm and ``fix_model``, instead of failing step after
+step. ``fix_model`` returns a *new* model (a deep copy: the original is left as it was) with every
+BatchNorm replaced by a GroupNorm of the same channels and affine parameters carried over.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+from torch import nn
+
+
+class UnsupportedModel(ValueError):
+    """The model has a layer the per-sample guard cannot certify; the message lists them with their fix."""
+
+
+#: GroupNorm's group count for a BatchNorm of C channels: the largest divisor of C that is at most
+#: this (32 channels per group is GroupNorm's paper default and Opacus' choice; ResNet-18's 64–512
+#: channels get 32 groups, a 6-channel layer 6).
+MAX_GROUPS = 32
+
+
+def _batchnorm_problem(name: str, module: nn.Module) -> str:
+    mode = "train mode" if module.training else "eval mode (model.train() turns it back on)"
+    return (f"{name or '<model>'}: {type(module).__name__} in {mode} normalises each sample with the batch's "
+            "statistics, so a sample's leakage depends on the whole batch, and its running statistics (sent "
+            "with the parameters) are updated from the batch unguarded; fix: flguard.fix_model(model) replaces "
+            "every BatchNorm with a GroupNorm of the same channels")
+
+
+#: Problems that a module's mode cannot change (refused as soon as a model is wrapped); the others
+#: (train-mode Dropout) depend on the mode and are refused at the step.
+STRUCTURAL = ("batchnorm", "instancenorm")
+
+
+def model_problems(model: nn.Module) -> list[tuple[str, str]]:
+    """(kind, message) for every problem ``check_model`` lists; kind is one of ``STRUCTURAL`` or
+    ``"dropout"``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError("check_model: model must be a torch.nn.Module")
+    problems = []
+    for name, module in model.named_modules():
+        where = name or "<model>"
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            problems.append(("batchnorm", _batchnorm_problem(name, module)))
+        elif isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
+            problems.append(("instancenorm", f"{where}: {type(module).__name__} with track_running_stats=True "
+                             "updates its running statistics from the batch, unguarded; fix: "
+                             "track_running_stats=False"))
+        elif isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
+            problems.append(("dropout", f"{where}: {type(module).__name__}(p={module.p}) in train mode multiplies "
+                             "by a random mask, so the per-sample Jacobian is undefined and the gradient cannot be "
+                             "reproduced; fix: remove it or call .eval() on it"))
+    return problems
+
+
+def check_model(model: nn.Module) -> list[str]:
+    """The problems that stop the guard from certifying ``model`` per sample, one string each
+    (module path, why, fix); an empty list when there are none.
+
+    BatchNorm is listed in either mode: a model is normally guarded while it trains, and
+    ``model.train()`` restores the batch coupling. Dropout is listed only in train mode with p > 0
+    (in eval mode it is the identity)."""
+    return [message for _, message in model_problems(model)]
+
+
+def require_supported(model: nn.Module, caller: str, kinds: tuple[str, ...] | None = None) -> None:
+    """Raise ``UnsupportedModel`` listing ``check_model``'s problems (those of ``kinds``; None: all)."""
+    problems = [message for kind, message in model_problems(model) if kinds is None or kind in kinds]
+    if problems:
+        raise UnsupportedModel(f"{caller}: the model cannot be guarded per sample:\n  - " + "\n  - ".join(problems))
+
+
+def _group_norm(module: nn.modules.batchnorm._BatchNorm) -> nn.GroupNorm:
+    channels = module.num_features
+    groups = math.gcd(channels, MAX_GROUPS)
+    norm = nn.GroupNorm(groups, channels, eps=module.eps, affine=module.affine)
+    if module.affine:
+        norm.weight.data.copy_(module.weight.data)
+        norm.bias.data.copy_(module.bias.data)
+        norm.weight.requires_grad_(module.weight.requires_grad)
+        norm.bias.requires_grad_(module.bias.requires_grad)
+    norm.to(device=module.weight.device if module.affine else None)
+    norm.train(module.training)
+    return norm
+
+
+def fix_model(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every BatchNorm (1d, 2d, 3d, Sync) replaced by a GroupNorm of the same
+    channels (``MAX_GROUPS``), its ε and affine weights carried over; ``model`` itself is not changed.
+
+    The copy's parameters are new tensors: build the optimizer (and ``make_guarded``) on the
+    returned model. A BatchNorm given as the whole model is replaced too. Dropout is left to the
+    user (``check_model`` still lists it in train mode): removing it changes the regularisation."""
+    if not isinstance(model, nn.Module):
+        raise TypeError("fix_model: model must be a torch.nn.Module")
+    if isinstance(model, nn.modules.batchnorm._BatchNorm):
+        return _group_norm(model)
+    fixed = copy.deepcopy(model)
+    for parent in list(fixed.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, nn.modules.batchnorm._BatchNorm):
+                setattr(parent, child_name, _group_norm(child))
+    return fixed
+
+
+__all__ = ["check_model", "fix_model", "model_problems", "require_supported", "UnsupportedModel", "MAX_GROUPS",
+           "STRUCTURAL"]

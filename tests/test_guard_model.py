@@ -1,0 +1,177 @@
+"""The guard on ResNet-shaped colour models: the model check and fix, channels-last inputs, the
+defaults (median clipping) against dense float64 I²F, and the per-step limit failing closed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from flguard import Guard, GuardConfig, UnsupportedModel, check_model, fix_model, make_guarded
+from flguard.guard import GuardFailure
+from flguard.models import create
+from flguard.risk.operator import JacobianOperator
+
+MEAN, STD = (0.5, 0.4, 0.3), (0.25, 0.2, 0.3)
+
+
+def _resnet18():
+    torchvision = pytest.importorskip("torchvision")
+    return torchvision.models.resnet18(num_classes=10)
+
+
+def test_check_model_names_every_batchnorm_of_torchvision_resnet18_and_fix_model_replaces_them():
+    model = _resnet18()
+    problems = check_model(model)
+    batchnorms = [name for name, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)]
+    assert len(batchnorms) == 20 and len(problems) == 20
+    assert problems[0].startswith("bn1: BatchNorm2d") and "fix_model" in problems[0]
+    assert any(p.startswith("layer2.0.downsample.1: BatchNorm2d") for p in problems)
+    with torch.no_grad():
+        model.bn1.weight.uniform_(0.5, 1.5)
+    fixed = fix_model(model)
+    assert check_model(fixed) == []
+    assert len(check_model(model)) == 20  # not in place: the original keeps its BatchNorm
+    assert isinstance(fixed.bn1, nn.GroupNorm) and fixed.bn1.num_groups == 32 and fixed.bn1.num_channels == 64
+    assert torch.equal(fixed.bn1.weight, model.bn1.weight) and fixed.bn1.weight is not model.bn1.weight
+    assert sum(p.numel() for p in fixed.parameters()) == sum(p.numel() for p in model.parameters())
+    assert fixed(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_check_model_lists_dropout_in_train_mode_and_running_instancenorm():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, track_running_stats=True), nn.Flatten(),
+                          nn.Dropout(0.3), nn.Linear(4 * 30 * 30, 2))
+    problems = check_model(model)
+    assert [p.split(":")[0] for p in problems] == ["1", "3"]
+    model[3].eval()
+    assert len(check_model(model)) == 1
+    assert check_model(create("resnet18_gn")) == [] and check_model(create("resnet8_gn")) == []
+
+
+def test_make_guarded_and_guard_refuse_batchnorm_before_the_first_step_naming_fix_model():
+    model = _resnet18()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UnsupportedModel, match=r"(?s)layer1\.0\.bn1: BatchNorm2d.*fix_model"):
+        make_guarded(model, optimizer, nn.CrossEntropyLoss(), GuardConfig(pixel_mean=MEAN, pixel_std=STD))
+    x, y = torch.randn(2, 3, 8, 8), torch.tensor([0, 1])
+    with pytest.raises(UnsupportedModel, match="BatchNorm"):
+        Guard(GuardConfig()).protect(model, x, y, torch.zeros(sum(p.numel() for p in model.parameters())))
+    fixed = fix_model(model)  # after the fix the same call is accepted
+    make_guarded(fixed, torch.optim.SGD(fixed.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                 GuardConfig(pixel_mean=MEAN, pixel_std=STD))
+
+
+def test_a_batchnorm_switched_on_after_wrapping_is_refused_at_the_step():
+    model = create("resnet8_gn", image_size=8)
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                               nn.CrossEntropyLoss(), GuardConfig(pixel_mean=MEAN, pixel_std=STD))
+    model.layers[0].norm1 = nn.BatchNorm2d(4)
+    optimizer.zero_grad()
+    criterion(model(torch.randn(3, 3, 8, 8)), torch.tensor([0, 1, 2])).backward()
+    with pytest.raises(GuardFailure, match="BatchNorm2d"):
+        optimizer.step()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _clipped_upload_jacobians(model, x, y, clip):
+    """Dense J̄_i [dx, dθ] of sample i's clipped term (1/B)·clip_C(∇θℓ(x_i)), C fixed: forward-mode
+    columns (one per input coordinate) of the plain per-sample gradient map, written independently."""
+    from torch.func import functional_call, grad, jacfwd
+
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def term(xi, yi):
+        loss = lambda ps: nn.functional.cross_entropy(functional_call(model, ps, (xi.unsqueeze(0),)),  # noqa: E731
+                                                      yi.unsqueeze(0))
+        g = torch.cat([t.reshape(-1) for t in grad(loss)(params).values()])
+        return g * torch.clamp(clip / g.norm(), max=1.0) / len(x)
+
+    return torch.stack([jacfwd(term)(x[i].contiguous(), y[i]).reshape(-1, x[i].numel()).T for i in range(len(x))])
+
+
+def test_defaults_on_a_channels_last_resnet_match_dense_float64_i2f():
+    """make_guarded with the defaults (median clipping, the pixel box, ε = 1e-2·λmax) on a 3-channel
+    GroupNorm ResNet fed channels-last inputs: the noise actually applied gives every kept sample a
+    dense-recomputed, box-clipped I²F RMSE ≥ τ, and the report's values agree with the dense ones."""
+    torch.manual_seed(0)
+    model = create("resnet8_gn", image_size=6).double()
+    x = torch.rand(4, 3, 6, 6, dtype=torch.float64)
+    x = ((x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)).to(
+        memory_format=torch.channels_last)
+    y = torch.tensor([0, 3, 5, 7])
+    config = GuardConfig(pixel_mean=MEAN, pixel_std=STD, seed=3)
+    assert config.clip_per_sample == "median" and config.max_excluded > 0
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.CrossEntropyLoss(),
+                                               config)
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()
+    report = optimizer.guard_reports[0]
+    assert report.met
+    sent = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    per = JacobianOperator(model, x, y).per_sample_gradients()
+    norms = per.norm(dim=1)
+    clip = float(norms.median())
+    kept = torch.isfinite(report.rmse_after)
+    factor = torch.clamp(clip / norms, max=1.0)
+    noise = sent - (per * factor.unsqueeze(1))[kept].sum(0) / len(x)
+    jac = _clipped_upload_jacobians(model, x, y, clip)
+    kernel = jac @ jac.transpose(1, 2)
+    lam = torch.linalg.eigvalsh(kernel)[:, -1]
+    eps = config.eps * lam
+    b = jac @ noise
+    shift = torch.linalg.solve(kernel + eps.view(-1, 1, 1) * torch.eye(kernel.shape[1], dtype=kernel.dtype),
+                               b.unsqueeze(-1)).squeeze(-1)
+    low = ((0 - torch.tensor(MEAN)) / torch.tensor(STD)).view(1, 3, 1, 1).double()
+    high = ((1 - torch.tensor(MEAN)) / torch.tensor(STD)).view(1, 3, 1, 1).double()
+    moved = torch.clamp(x + shift.view_as(x), low, high) - x
+    rmse = moved.flatten(1).norm(dim=1) / math.sqrt(shift.shape[1])
+    assert bool((rmse[kept] >= config.floor).all()), (rmse, config.floor)
+    torch.testing.assert_close(rmse[kept].float(), report.rmse_after[kept].float(), rtol=3 * config.rtol, atol=0)
+
+
+def test_channels_last_float32_is_computed_on_contiguous_inputs():
+    """torch 2.14's CPU kernel for the weight gradient of a strided 1×1 convolution (ResNet's shortcut)
+    on channels-last float32 inputs is wrong; the operator's products use the same values laid out
+    contiguously, so they match the float64 reference."""
+    torch.manual_seed(0)
+    model = create("resnet8_gn", image_size=8)
+    x, y = torch.randn(3, 3, 8, 8), torch.tensor([0, 1, 2])
+    v = torch.randn(3, 1, sum(p.numel() for p in model.parameters()))
+    channels_last = JacobianOperator(model, x.to(memory_format=torch.channels_last), y)
+    reference = JacobianOperator(model.double(), x.double(), y)
+    torch.testing.assert_close(channels_last.per_sample_gradients().double(), reference.per_sample_gradients(),
+                               rtol=1e-4, atol=1e-5)
+    model.float()
+    torch.testing.assert_close(channels_last.j(v).double(), reference.j(v.double()), rtol=1e-3, atol=1e-4)
+
+
+def test_the_step_limit_withholds_naming_the_limit():
+    torch.manual_seed(0)
+    model = create("resnet8_gn", image_size=8)
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
+    for field, value in (("max_products", 3), ("max_seconds", 1e-4)):
+        config = GuardConfig(pixel_mean=MEAN, pixel_std=STD, **{field: value})
+        model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                                   nn.CrossEntropyLoss(), config)
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        with pytest.raises(GuardFailure, match=f"{field}={value:g}"):
+            optimizer.step()
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert optimizer.guard_reports[-1].met is False
+
+
+def test_none_switches_the_default_clipping_off_and_survives_the_run_config():
+    from flguard.flower.guard_mod import guard_config_from_run_config, guard_run_config
+
+    config = GuardConfig(clip_per_sample="none", max_products=None)
+    assert config.clip_per_sample is None and config.max_products is None
+    assert guard_config_from_run_config(guard_run_config(config)) == config
+    assert guard_config_from_run_config(guard_run_config(GuardConfig())).clip_per_sample == "median"
+    with pytest.raises(ValueError, match="clip_per_sample"):
+        GuardConfig(clip_per_sample=0.0)
+    assert GuardConfig(defense="none").clip_per_sample is None  # baselines stay the unclipped update

@@ -9,6 +9,8 @@ model and batch size: guarded / unguarded ms per step (medians), Jacobian produc
 guarded step, steps sent, samples left out, peak RSS of each round, test accuracy before and after.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_guard_models.py                   # cnn B=32, resnet20_gn B=32
+    OMP_NUM_THREADS=1 python benchmarks/bench_guard_models.py --models cnn \
+        --guard clip_per_sample=median max_rel_noise=40 max_excluded=0.25 rtol=0.01     # candidate defaults
     OMP_NUM_THREADS=1 python benchmarks/bench_guard_models.py --models resnet18_gn --batch 8 --steps 10
     python benchmarks/bench_guard_models.py --device cuda --models cnn,resnet20_gn,resnet18_gn
 
@@ -59,7 +61,8 @@ def _accuracy(model, x, y) -> float:
         return 100.0 * float(torch.cat([model(b).argmax(1) for b in x.split(256)]).eq(y).float().mean())
 
 
-def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, device: str, seed: int) -> dict:
+def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, device: str, seed: int,
+           settings: dict) -> dict:
     """One local round in this (child) process; its measurements and this process's peak RSS."""
     from flguard import GuardConfig, GuardFailure, make_guarded
 
@@ -69,7 +72,7 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE[name] / 5)
     criterion = torch.nn.CrossEntropyLoss()
     if guarded:
-        config = GuardConfig(pixel_mean=data.mean, pixel_std=data.std)
+        config = GuardConfig(pixel_mean=data.mean, pixel_std=data.std, **settings)
         model, optimizer, criterion = make_guarded(model, optimizer, criterion, config)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed + 1))[:steps * batch]
     seconds, sent, left_out, products, reasons = [], 0, 0, [], []
@@ -109,13 +112,23 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=150)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--guard", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="GuardConfig fields beyond the normalisation (default: none, i.e. the defaults), "
+                             "e.g. clip_per_sample=median max_rel_noise=40 max_excluded=0.25 rtol=0.01")
     args = parser.parse_args()
+    settings = {}
+    for item in args.guard:
+        field, value = item.split("=", 1)
+        try:
+            settings[field] = float(value)
+        except ValueError:
+            settings[field] = value
     rows = []
     for name in args.models.split(","):
         for batch in (int(b) for b in args.batch.split(",")):
-            plain = _in_child(name, batch, args.steps, args.train_steps, False, args.device, args.seed)
-            guard = _in_child(name, batch, args.steps, args.train_steps, True, args.device, args.seed)
-            row = dict(model=name, params=plain["params"], B=batch, steps=args.steps, device=args.device,
+            plain = _in_child(name, batch, args.steps, args.train_steps, False, args.device, args.seed, settings)
+            guard = _in_child(name, batch, args.steps, args.train_steps, True, args.device, args.seed, settings)
+            row = dict(model=name, guard=" ".join(args.guard) or "defaults", params=plain["params"], B=batch, steps=args.steps, device=args.device,
                        train_ms=plain["ms"], guard_ms=guard["ms"], ratio=guard["ms"] / plain["ms"],
                        products=guard["products"], sent=f"{guard['sent']}/{args.steps}",
                        left_out=guard["left_out"], rss_train_gb=plain["rss_gb"], rss_guard_gb=guard["rss_gb"],

@@ -52,19 +52,6 @@ DEFAULT_MIN_RMSE = 10 ** (-DEFAULT_MAX_PSNR / 20)
 #: would otherwise run to the input size (3,072 products on 32×32 colour images, minutes per step).
 DEFAULT_MAX_PRODUCTS = 400.0
 
-#: Per-sample clipping by default, at the batch's median per-sample gradient norm (``clip_per_sample``):
-#: a clip level that needs no tuning and a budget unit (C) that scales with the model (docs/results.md,
-#: "Defaults that send").
-DEFAULT_CLIP = "median"
-#: The noise budget, in units of C with clipping (``max_rel_noise``), chosen with ``max_excluded``
-#: from the measurements in docs/results.md ("Defaults that send").
-DEFAULT_MAX_REL_NOISE = 40.0
-#: The share of a batch that may be left out of a step instead of withholding it (``max_excluded``).
-DEFAULT_MAX_EXCLUDED = 0.25
-#: The solvers' tolerance (``rtol``): 1e-2, the demo's. At 1e-3 float32 products on a trained model
-#: keep the true residual from reaching rtol·ε·‖x‖ for some samples, and their steps are withheld
-#: (docs/results.md, "Defaults that send"); the floor is aimed 2·rtol above τ, so 1e-2 costs 2% noise.
-DEFAULT_RTOL = 1e-2
 #: Fields with a non-None default that None switches off: the string "none" means None too (a run
 #: config cannot carry None; ``flguard.flower.guard_mod`` writes "none").
 NONE_STRINGS = ("clip_per_sample", "max_products")
@@ -178,11 +165,11 @@ class GuardConfig(StrictModel):
     clip_per_sample: float | Literal["median"] | None = Field(
         None, description="C: clip each sample's gradient to norm C before the floor (the guard measures the "
         "clipped map); max_rel_noise is then relative to C. 'median': C = the median of the batch's per-sample "
-        "gradient norms, each step; None (or 'none'): no clipping, the budget relative to ‖gradient‖")
+        "gradient norms, each step (flguard.guard.clip_level); None: no clipping, the budget relative to ‖gradient‖")
     on_unmet: Literal["drop", "max-noise", "send"] = "drop"
     acknowledge_unguarded: bool = Field(False, description="required with on_unmet='send'")
     seed: int | None = Field(None, description="None: noise from OS entropy; an int only for tests/benchmarks")
-    rtol: float = Field(DEFAULT_RTOL, gt=0.0, lt=0.1, description="solver tolerance (the floor is aimed at "
+    rtol: float = Field(1e-3, gt=0.0, lt=0.1, description="solver tolerance (the floor is aimed at "
                         "τ(1 + 2·rtol) and verified at τ(1 + rtol))")
     max_products: float | None = Field(DEFAULT_MAX_PRODUCTS, gt=0.0, description="per step: at most this many "
                                        "Jacobian products per sample (J or Jᵀ), else the step is withheld naming "
@@ -289,17 +276,9 @@ class ThresholdGuardConfig(GuardConfig):
     """
 
     defense: Literal["gaussian", "eigen"] = "gaussian"
-    # the defaults that send on trained models (docs/results.md "Defaults that send"); the baselines
-    # keep no clipping and a budget relative to ‖gradient‖, so "none" stays the unmodified update
-    clip_per_sample: float | Literal["median"] | None = Field(
-        DEFAULT_CLIP, description="C: clip each sample's gradient to norm C before the floor (the guard measures "
-        "the clipped map); max_rel_noise is then relative to C. 'median' (default): C = the median of the batch's "
-        "per-sample gradient norms, each step; None (or 'none'): no clipping, the budget relative to ‖gradient‖")
-    max_rel_noise: float = Field(DEFAULT_MAX_REL_NOISE, gt=0.0, description="noise budget: ‖noise‖ / C with "
-                                 "clip_per_sample (or / ‖gradient‖ without) at most this")
     input_bounds: tuple[float | tuple[float, ...], float | tuple[float, ...]] | Literal["batch"] | None = Field(
         None, description="(low, high) box of valid inputs in model-input units (scalar or per channel), or 'batch'")
-    max_excluded: float = Field(DEFAULT_MAX_EXCLUDED, ge=0.0, lt=1.0, description="share of a batch that may be left out of the "
+    max_excluded: float = Field(0.0, ge=0.0, lt=1.0, description="share of a batch that may be left out of the "
                                 "step when the budget cannot protect it (its gradient is then not sent); "
                                 "0: the whole step is withheld instead")
 

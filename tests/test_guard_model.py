@@ -91,18 +91,19 @@ def _clipped_upload_jacobians(model, x, y, clip):
     return torch.stack([jacfwd(term)(x[i].contiguous(), y[i]).reshape(-1, x[i].numel()).T for i in range(len(x))])
 
 
-def test_defaults_on_a_channels_last_resnet_match_dense_float64_i2f():
-    """make_guarded with the defaults (median clipping, the pixel box, ε = 1e-2·λmax) on a 3-channel
-    GroupNorm ResNet fed channels-last inputs: the noise actually applied gives every kept sample a
-    dense-recomputed, box-clipped I²F RMSE ≥ τ, and the report's values agree with the dense ones."""
+def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f():
+    """make_guarded with median clipping, exclusion and the 15 dB pixel floor (its pixel box, ε =
+    1e-2·λmax) on a 3-channel GroupNorm ResNet fed channels-last inputs: the noise actually applied
+    gives every kept sample a dense-recomputed, box-clipped I²F RMSE ≥ τ, and the report's values
+    agree with the dense ones."""
     torch.manual_seed(0)
     model = create("resnet8_gn", image_size=6).double()
     x = torch.rand(4, 3, 6, 6, dtype=torch.float64)
     x = ((x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)).to(
         memory_format=torch.channels_last)
     y = torch.tensor([0, 3, 5, 7])
-    config = GuardConfig(pixel_mean=MEAN, pixel_std=STD, seed=3)
-    assert config.clip_per_sample == "median" and config.max_excluded > 0
+    config = GuardConfig(pixel_mean=MEAN, pixel_std=STD, seed=3, clip_per_sample="median", max_excluded=0.25,
+                         max_rel_noise=40.0, rtol=1e-2)
     model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.CrossEntropyLoss(),
                                                config)
     optimizer.zero_grad()
@@ -165,13 +166,12 @@ def test_the_step_limit_withholds_naming_the_limit():
         assert optimizer.guard_reports[-1].met is False
 
 
-def test_none_switches_the_default_clipping_off_and_survives_the_run_config():
+def test_none_switches_the_default_limit_off_and_both_survive_the_run_config():
     from flguard.flower.guard_mod import guard_config_from_run_config, guard_run_config
 
-    config = GuardConfig(clip_per_sample="none", max_products=None)
-    assert config.clip_per_sample is None and config.max_products is None
+    config = GuardConfig(clip_per_sample="median", max_products=None)
+    assert config.max_products is None and GuardConfig(max_products="none").max_products is None
     assert guard_config_from_run_config(guard_run_config(config)) == config
-    assert guard_config_from_run_config(guard_run_config(GuardConfig())).clip_per_sample == "median"
+    assert guard_config_from_run_config(guard_run_config(GuardConfig())).max_products == GuardConfig().max_products
     with pytest.raises(ValueError, match="clip_per_sample"):
         GuardConfig(clip_per_sample=0.0)
-    assert GuardConfig(defense="none").clip_per_sample is None  # baselines stay the unclipped update

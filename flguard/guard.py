@@ -20,7 +20,7 @@ from torch import nn
 from flguard.defenses import BASELINES, DIRECTIONS, DefenseContext, Direction, draw_generator
 from flguard.defenses.gaussian import gaussian_direction, isotropic
 from flguard.guard_config import THRESHOLD_DEFENSES, GuardConfig
-from flguard.guard_exclusion import excludable, kept_gradient, reachable_at
+from flguard.guard_exclusion import excludable, kept_gradient, negligible_samples, reachable_at
 from flguard.guard_model import require_supported
 from flguard.guard_report import GuardOutput, GuardReport
 from flguard.risk.assess import i2f_norms, i2f_solve, i2f_solve_with_lambda_max, jacobian_product
@@ -189,6 +189,7 @@ class Guard:
             if keep is not None:
                 scale, rmse, reachable = self._fit(op.x, shift, cfg.floor, limit, at_least, keep=keep)
                 info["excluded"] = int((~keep).sum())
+                info["excluded_negligible"] = int((~keep & negligible_samples(op)).sum())
         info["rmse_unbounded"] = to_rmse(shift.norm(dim=1) * scale, op.dx)
         noise = vector * scale
         jd = jacobian_product(op, noise).norm(dim=1) if floor > 0 else unit_jd * scale
@@ -217,7 +218,7 @@ class Guard:
             return None
         bounds = None if cfg.bounds is None else _bounds(cfg.bounds, op.x)
         keep = reachable_at(op.x, shift, bounds, limit, cfg.floor, cfg.rtol) & usable
-        return keep if not bool(keep.all()) and excludable(keep, cfg.max_excluded) else None
+        return keep if not bool(keep.all()) and excludable(keep, cfg.max_excluded, negligible_samples(op)) else None
 
     def _solve(self, ctx: DefenseContext, vector: torch.Tensor,
                allow_unusable: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -43,10 +43,32 @@ def reachable_at(x: torch.Tensor, shift: torch.Tensor, bounds: tuple[torch.Tenso
     return certified >= target
 
 
-def excludable(keep: torch.Tensor, max_share: float) -> bool:
-    """Whether leaving out ``~keep`` stays within ``max_share`` of the batch and keeps someone."""
-    left_out = int((~keep).sum())
-    return bool(keep.any()) and left_out <= math.floor(max_share * keep.numel() + 1e-9)
+#: A sample whose term in the upload is at most this share of the clipping norm C (or, without
+#: clipping, of the batch's largest per-sample gradient norm) is negligible: leaving it out moves the
+#: update by at most NEGLIGIBLE_SHARE·C/B per such sample, so it does not count against
+#: ``max_excluded``. Such samples are the well-fitted ones (p(true class) ≈ 1): their gradient is
+#: 1e-4–1e-8 of C, their predicted recovery error huge, and float32 products carry too few digits for
+#: a solve to certify it (docs/results.md, "Defaults that send").
+NEGLIGIBLE_SHARE = 1e-2
+
+
+def negligible_samples(op: JacobianOperator | ClippedJacobian) -> torch.Tensor:
+    """[B] bool: samples whose (clipped) gradient is at most NEGLIGIBLE_SHARE of C (or of the batch's
+    largest per-sample norm without clipping)."""
+    if isinstance(op, ClippedJacobian):
+        norms = op.sample_norms * op.factor
+        reference = torch.as_tensor(op.clip, dtype=norms.dtype, device=norms.device)
+    else:
+        norms = op.per_sample_gradients().norm(dim=1)
+        reference = norms.max()
+    return norms <= NEGLIGIBLE_SHARE * reference
+
+
+def excludable(keep: torch.Tensor, max_share: float, free: torch.Tensor | None = None) -> bool:
+    """Whether leaving out ``~keep`` stays within ``max_share`` of the batch and keeps someone; samples
+    marked ``free`` (negligible) are left out without counting against the share."""
+    left = ~keep if free is None else ~keep & ~free
+    return bool(keep.any()) and int(left.sum()) <= math.floor(max_share * keep.numel() + 1e-9)
 
 
 def kept_gradient(op: JacobianOperator | ClippedJacobian, flat: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -144,3 +144,22 @@ def test_a_sample_the_noise_cannot_move_is_left_out_instead_of_failing_the_step(
     torch.testing.assert_close(float(delta.norm()), out.report.noise_norm)
     rmse = _shift(jac[kept], delta, out.report.eps[kept]).norm(dim=1) / x[0].numel() ** 0.5
     assert bool((rmse >= TAU).all()), rmse
+
+
+def test_a_negligible_sample_that_cannot_be_certified_is_left_out_without_counting():
+    """A well-fitted sample (p = 1 − 1e-12) has a float32 Jacobian too small for a solve to certify:
+    the guard withholds the step without exclusion; with ``max_excluded`` even below one sample's
+    share it is left out for free (its clipped gradient is < 1% of C) and the others are guarded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16, 3))
+    x, y = torch.randn(4, 1, 4, 4), torch.tensor([0, 1, 2, 1])
+    with torch.no_grad():
+        x[0] = 150 * (model[1].weight[0] - model[1].weight[1:].mean(0)).view(1, 4, 4)
+    g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(nn.functional.cross_entropy(model(x), y),
+                                                             list(model.parameters()))])
+    cfg = dict(min_rmse=0.5, clip_per_sample="median", max_rel_noise=1e6, rtol=1e-2, seed=0)
+    assert Guard(GuardConfig(**cfg)).protect(model, x, y, g).gradient is None
+    out = Guard(GuardConfig(**cfg, max_excluded=0.2)).protect(model, x, y, g)  # floor(0.2·4) = 0 samples
+    assert out.report.met and out.gradient is not None
+    assert out.report.details["excluded"] == out.report.details["excluded_negligible"] == 1
+    assert torch.isinf(out.report.rmse_after[0]) and bool((out.report.rmse_after[1:] >= 0.5).all())

@@ -244,7 +244,8 @@ def fill_markers(text: str, blocks: dict[str, str]) -> str:
 
 #: (module, heading, names): documented in this order.
 API: list[tuple[str, str, list[str]]] = [
-    ("flguard", "The guard", ["make_guarded", "GuardConfig", "Guard", "GuardReport", "GuardOutput", "GuardFailure"]),
+    ("flguard", "The guard", ["make_guarded", "GuardConfig", "Guard", "GuardReport", "GuardOutput", "GuardFailure",
+                              "check_model", "fix_model", "UnsupportedModel"]),
     ("flguard.guard_config", "One config per defense", [
         "GaussianGuardConfig", "EigenGuardConfig", "NoneGuardConfig", "FixedGaussianGuardConfig", "PruningGuardConfig",
         "LocalDpGuardConfig", "ThresholdGuardConfig", "LocalDpConfig", "AnyGuardConfig", "parse_guard_config",

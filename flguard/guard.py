@@ -183,11 +183,12 @@ class Guard:
         scale, rmse, reachable = self._fit(op.x, shift, cfg.floor, limit, at_least) if certifiable else (limit, None, False)
         keep = None
         if not (reachable and float(vector.norm()) * scale <= budget):
-            keep = self._protectable(op, shift, limit, usable)
-            if keep is None and not certifiable:
+            chosen = self._protectable(op, shift, limit, usable)
+            if chosen is None and not certifiable:
                 raise GuardFailure(_UNUSABLE)
-            if keep is not None:
-                scale, rmse, reachable = self._fit(op.x, shift, cfg.floor, limit, at_least, keep=keep)
+            if chosen is not None:  # fitted up to the scale at which the kept samples all certify
+                keep, at = chosen
+                scale, rmse, reachable = self._fit(op.x, shift, cfg.floor, max(at, at_least), at_least, keep=keep)
                 info["excluded"] = int((~keep).sum())
                 info["excluded_negligible"] = int((~keep & negligible_samples(op)).sum())
         info["rmse_unbounded"] = to_rmse(shift.norm(dim=1) * scale, op.dx)
@@ -209,16 +210,25 @@ class Guard:
         update = None if keep is None else kept_gradient(op, ctx.gradient, keep)
         return _Outcome(noise, rmse, _rmse_lb(jd, ctx.lambda_max, op.dx), ctx.eps, True, "", info, update)
 
-    def _protectable(self, op: Jacobian, shift: torch.Tensor, limit: float, usable: torch.Tensor) -> torch.Tensor | None:
-        """The samples to keep when the budget (scale ``limit`` of the direction) cannot protect the
-        whole batch (and never an uncertifiable one, ``usable`` False), or None when leaving the
-        others out is not allowed (``max_excluded``, the per-sample path) or would not help."""
+    def _protectable(self, op: Jacobian, shift: torch.Tensor, limit: float,
+                     usable: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+        """(the samples to keep, a scale ≤ ``limit`` at which they all certify) when the budget (scale
+        ``limit`` of the direction) cannot protect the whole batch — never an uncertifiable sample
+        (``usable`` False); the scale is the least, on ``_scales``' grid, that keeps the most samples.
+        None when leaving the others out is not allowed (``max_excluded``, beyond which negligible
+        samples do not count; the per-sample path) or would not help."""
         cfg = self.config
-        if cfg.max_excluded <= 0 or base_operator(op).coupled:
+        if cfg.max_excluded <= 0 or base_operator(op).coupled or not bool(usable.any()):
             return None
         bounds = None if cfg.bounds is None else _bounds(cfg.bounds, op.x)
-        keep = reachable_at(op.x, shift, bounds, limit, cfg.floor, cfg.rtol) & usable
-        return keep if not bool(keep.all()) and excludable(keep, cfg.max_excluded, negligible_samples(op)) else None
+        best, at = None, limit
+        for scale in _scales(shift[usable], cfg.floor * (1 + 2 * cfg.rtol), limit):
+            keep = reachable_at(op.x, shift, bounds, scale, cfg.floor, cfg.rtol) & usable
+            if best is None or int(keep.sum()) > int(best.sum()):
+                best, at = keep, scale
+        if best is None or bool(best.all()) or not excludable(best, cfg.max_excluded, negligible_samples(op)):
+            return None
+        return best, at
 
     def _solve(self, ctx: DefenseContext, vector: torch.Tensor,
                allow_unusable: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -415,6 +425,20 @@ def _box_scale(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: to
         if hi / lo < 1 + 1e-4:
             break
     return hi, clipped(hi), True
+
+
+def _scales(shift: torch.Tensor, target: float, limit: float) -> list[float]:
+    """Noise scales at which to ask which samples are certifiable: doubling from the least scale at
+    which the most movable sample reaches ``target`` (linearly) up to ``limit``, ``limit`` included.
+    With ``input_bounds`` a sample's certified (box-clipped, minus the solver's slack) error is not
+    monotone in the scale — the clipped error saturates while the slack grows — so the samples to
+    keep are chosen where most of them certify, not only at the budget's end."""
+    start = from_rmse(target, shift.shape[1]) / max(float(shift.norm(dim=1).max()), 1e-30)
+    scales, scale = [], min(start, limit)
+    while scale < limit and len(scales) < 64:
+        scales.append(scale)
+        scale *= 2
+    return scales + [limit]
 
 
 def _rmse_lb(jd_norm: torch.Tensor, lambda_max: torch.Tensor, dx: int) -> torch.Tensor:

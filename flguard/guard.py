@@ -45,6 +45,13 @@ PRECONDITION_CG = True
 LANCZOS_SOLVE = True
 
 
+#: Iterations per sample at most in the guard's Lanczos and CG runs (eigen: at least its
+#: ``krylov_steps``): a solve takes 3–30 on the models measured; a sample still iterating at 100 is
+#: one whose float32 products cannot certify it (a well-fitted sample with a negligible gradient),
+#: and without the cap it ran to the input size, thousands of small products per step.
+SOLVER_MAX_ITER = 100
+
+
 class GuardFailure(RuntimeError):
     """Measuring or perturbing failed; the message is the reply's reason."""
 
@@ -115,6 +122,7 @@ class Guard:
         if cfg.defense == "gaussian" and LANCZOS_SOLVE and cfg.floor > 0:
             return self._gaussian_in_one_run(op, flat, generator, lanczos_seed)
         spectrum = RegularisedK(op).lanczos(rtol=cfg.rtol, ends="max", min_iter=cfg.krylov_steps if eigen else 0,
+                                            max_iter=max(SOLVER_MAX_ITER, cfg.krylov_steps if eigen else 0),
                                             return_vectors=eigen or PRECONDITION_CG, seed=lanczos_seed)
         if not bool(spectrum.converged.all()):
             raise GuardFailure("λmax did not converge within the Lanczos limit")
@@ -139,7 +147,7 @@ class Guard:
         cfg = self.config
         direction = isotropic(op.dtheta, generator, flat)  # gaussian_direction's draw, before ε exists
         shift, jd, converged, lambda_max, eps, lambda_ok = i2f_solve_with_lambda_max(
-            op, direction.vector, cfg.eps, cfg.eps_mode == "relative", cfg.rtol, seed=seed)
+            op, direction.vector, cfg.eps, cfg.eps_mode == "relative", cfg.rtol, seed=seed, max_iter=SOLVER_MAX_ITER)
         if not bool(lambda_ok.all()) and cfg.max_excluded <= 0:  # else such a sample is one to leave out
             raise GuardFailure("λmax did not converge within the Lanczos limit")
         ctx = DefenseContext(op, flat, eps, lambda_max, generator, cfg)
@@ -236,7 +244,7 @@ class Guard:
         (converged and nonzero), checked: an unusable sample fails the guard unless
         ``allow_unusable``, and then its shift is zeroed (it can only be left out)."""
         ritz = (ctx.spectrum.ritz_values, ctx.spectrum.ritz_vectors) if PRECONDITION_CG and ctx.spectrum else None
-        shift, jd, converged = i2f_solve(ctx.op, vector, ctx.eps, self.config.rtol, ritz=ritz)
+        shift, jd, converged = i2f_solve(ctx.op, vector, ctx.eps, self.config.rtol, ritz=ritz, max_iter=SOLVER_MAX_ITER)
         return _checked_solve(shift, jd, converged, allow_unusable)
 
     def _fit(self, x: torch.Tensor, shift: torch.Tensor, tau: float, limit: float,

@@ -144,27 +144,29 @@ def jacobian_product(op: Jacobian, delta: torch.Tensor) -> torch.Tensor:
 
 
 def i2f_solve(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float,
-              ritz: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+              ritz: tuple[torch.Tensor, torch.Tensor] | None = None,
+              max_iter: int | None = None) -> tuple[torch.Tensor, ...]:
     """((K_i+ε_iI)⁻¹J_iδ [B, dx], ‖J_iδ‖, converged) per sample — I2F's definition, written once.
 
     The solution is the predicted shift of sample i's best reconstruction (model-input units).
     ``delta`` is shared [dθ] or per sample [B, dθ]; the CG stops on the error bound ‖r‖/ε.
     ``ritz``: Ritz pairs of K_i (values [B, k], vectors [B, k, dx]) to precondition with; the stop
-    is then on the true residual (``flguard.risk.krylov.preconditioned_cg``).
+    is then on the true residual (``flguard.risk.krylov.preconditioned_cg``). ``max_iter`` caps each
+    sample's iterations (default: the input size); a sample that reaches it is not converged.
     """
     b = jacobian_product(op, delta)
-    solved = RegularisedK(op, eps).solve(b, rtol=rtol, ritz=ritz)
+    solved = RegularisedK(op, eps).solve(b, rtol=rtol, ritz=ritz, max_iter=max_iter)
     return solved.solution, b.norm(dim=1), solved.converged
 
 
 def i2f_solve_with_lambda_max(op: Jacobian, delta: torch.Tensor, eps: float, relative: bool, rtol: float,
-                              seed: int = 0) -> tuple[torch.Tensor, ...]:
+                              seed: int = 0, max_iter: int | None = None) -> tuple[torch.Tensor, ...]:
     """``i2f_solve`` with ε_i = eps·λmax_i (``relative``) or eps set by the same run: one Lanczos run
     per sample started at J_iδ gives λmax and the solve (``flguard.risk.lanczos_solve``) — for a δ
     that does not depend on K's spectrum. Returns (shift [B, dx], ‖J_iδ‖, converged, λmax, ε,
     λmax converged); converged: λmax's test and the true-residual bound ‖r‖/ε ≤ rtol‖shift‖."""
     b = jacobian_product(op, delta)
-    run = RegularisedK(op).solve_with_lambda_max(b, eps, relative=relative, rtol=rtol, seed=seed)
+    run = RegularisedK(op).solve_with_lambda_max(b, eps, relative=relative, rtol=rtol, seed=seed, max_iter=max_iter)
     return run.solution, b.norm(dim=1), run.converged, run.lambda_max, run.eps, run.lambda_converged
 
 

@@ -222,19 +222,22 @@ class Guard:
                      usable: torch.Tensor) -> tuple[torch.Tensor, float] | None:
         """(the samples to keep, a scale ≤ ``limit`` at which they all certify) when the budget (scale
         ``limit`` of the direction) cannot protect the whole batch — never an uncertifiable sample
-        (``usable`` False); the scale is the least, on ``_scales``' grid, that keeps the most samples.
+        (``usable`` False); the scale is the least, on ``_scales``' grid, that leaves out the fewest non-negligible
+        samples, then the fewest samples.
         None when leaving the others out is not allowed (``max_excluded``, beyond which negligible
         samples do not count; the per-sample path) or would not help."""
         cfg = self.config
         if cfg.max_excluded <= 0 or base_operator(op).coupled or not bool(usable.any()):
             return None
         bounds = None if cfg.bounds is None else _bounds(cfg.bounds, op.x)
-        best, at = None, limit
+        free = negligible_samples(op)
+        best, at, rank = None, limit, None
         for scale in _scales(shift[usable], cfg.floor * (1 + 2 * cfg.rtol), limit):
             keep = reachable_at(op.x, shift, bounds, scale, cfg.floor, cfg.rtol) & usable
-            if best is None or int(keep.sum()) > int(best.sum()):
-                best, at = keep, scale
-        if best is None or bool(best.all()) or not excludable(best, cfg.max_excluded, negligible_samples(op)):
+            here = (int((~keep & ~free).sum()), int((~keep).sum()))  # counted left out, then all left out
+            if rank is None or here < rank:
+                best, at, rank = keep, scale, here
+        if best is None or bool(best.all()) or not excludable(best, cfg.max_excluded, free):
             return None
         return best, at
 

@@ -11,6 +11,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from flguard import GuardConfig
 from flguard.flower import guard_mod, guard_step, task
 from flguard.guard_report import METRIC_KEYS
+from guard_settings import unclipped
 
 SETTINGS = task.TaskSettings(batch_size=2, lr=0.05, local_steps=1, init="uniform")
 OVERRIDES = {"batch-size": 2, "lr": 0.05, "local-steps": 1, "init": "uniform"}
@@ -61,7 +62,7 @@ def _flat(arrays) -> torch.Tensor:
 def test_train_reply_is_the_unguarded_update_plus_exactly_the_reported_noise():
     model = task.make_model(SETTINGS)
     unguarded = _app([])(_message(MessageType.TRAIN, model), _context())
-    guarded = _app([guard_mod(GuardConfig(defense="gaussian", min_rmse=0.05, seed=0))])(
+    guarded = _app([guard_mod(unclipped(defense="gaussian", min_rmse=0.05, seed=0))])(
         _message(MessageType.TRAIN, model), _context())
     assert not guarded.has_error()
     metrics = guarded.content.metric_records[task.METRICS_KEY]
@@ -76,27 +77,27 @@ def test_train_reply_is_the_unguarded_update_plus_exactly_the_reported_noise():
 def test_evaluate_passes_through_untouched_with_the_mod_app_wide():
     model = task.make_model(SETTINGS)
     plain = _app([])(_message(MessageType.EVALUATE, model), _context())
-    wrapped = _app([guard_mod(GuardConfig())])(_message(MessageType.EVALUATE, model), _context())
+    wrapped = _app([guard_mod(unclipped())])(_message(MessageType.EVALUATE, model), _context())
     assert not wrapped.has_error()
     assert dict(wrapped.content.metric_records[task.METRICS_KEY]) == dict(plain.content.metric_records[task.METRICS_KEY])
 
 
 def test_dropped_update_becomes_an_error_reply_with_the_reason():
     model = task.make_model(SETTINGS)
-    strict = GuardConfig(defense="gaussian", min_rmse=0.05, max_rel_noise=1e-6)
+    strict = unclipped(defense="gaussian", min_rmse=0.05, max_rel_noise=1e-6)
     reply = _app([guard_mod(strict)])(_message(MessageType.TRAIN, model), _context())
     assert reply.has_error() and "budget" in reply.error.reason and not reply.has_content()
 
 
 def test_a_handler_that_skips_the_guard_is_refused():
     model = task.make_model(SETTINGS)
-    reply = _app([guard_mod(GuardConfig())], guarded_handler=False)(_message(MessageType.TRAIN, model), _context())
+    reply = _app([guard_mod(unclipped())], guarded_handler=False)(_message(MessageType.TRAIN, model), _context())
     assert reply.has_error() and "guard_step" in reply.error.reason
 
 
 def test_multi_step_training_is_guarded_per_step_with_the_worst_step_reported():
     model = task.make_model(SETTINGS)
-    app = _app([guard_mod(GuardConfig(defense="eigen", min_rmse=0.05, seed=1))])
+    app = _app([guard_mod(unclipped(defense="eigen", min_rmse=0.05, seed=1))])
     reply = app(_message(MessageType.TRAIN, model, steps=3), Context(
         run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
         run_config={"local-steps": 3}))
@@ -126,7 +127,7 @@ def test_localdp_mod_chains_after_the_guard():
     from flwr.clientapp.mod import LocalDpMod
 
     model = task.make_model(SETTINGS)
-    mods = [guard_mod(GuardConfig(defense="gaussian", min_rmse=0.05, seed=0)),
+    mods = [guard_mod(unclipped(defense="gaussian", min_rmse=0.05, seed=0)),
             LocalDpMod(clipping_norm=1.0, sensitivity=1.0, epsilon=5.0, delta=1e-5)]
     reply = _app(mods)(_message(MessageType.TRAIN, model), _context())
     assert not reply.has_error()
@@ -156,7 +157,7 @@ def test_numpy_client_wrapper_guards_fit_and_refuses_unguarded_updates():
             return [v.numpy() for v in model.state_dict().values()], 2, {"train-loss": 0.0}
 
     start = [v.numpy() for v in task.make_model(SETTINGS).state_dict().values()]
-    arrays, _, metrics = GuardedNumPyClient(Client(True), GuardConfig(min_rmse=0.05, seed=0)).fit(start, {})
+    arrays, _, metrics = GuardedNumPyClient(Client(True), unclipped(min_rmse=0.05, seed=0)).fit(start, {})
     assert metrics["guard_met"] == 1.0 and set(METRIC_KEYS) <= set(metrics)
     plain, _, _ = Client(True).fit(start, {})
     moved = np.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(arrays, plain)))
@@ -172,7 +173,7 @@ def test_a_faked_secagg_stage_does_not_open_a_way_around_the_guard():
     model = task.make_model(SETTINGS)
     message = _message(MessageType.TRAIN, model)
     message.content[RECORD_KEY_CONFIGS] = ConfigRecord({Key.STAGE: Stage.SETUP})  # no secaggplus_mod in the app
-    reply = _app([guard_mod(GuardConfig())], guarded_handler=False)(message, _context())
+    reply = _app([guard_mod(unclipped())], guarded_handler=False)(message, _context())
     assert reply.has_error() and "guard_step" in reply.error.reason
 
 
@@ -193,7 +194,7 @@ class _ScalarAndIntegerModel(torch.nn.Module):
 def _scalar_app(zero_gradient: bool) -> ClientApp:
     from flwr.app import ArrayRecord, MetricRecord
 
-    app = ClientApp(mods=[guard_mod(GuardConfig(defense="gaussian", min_rmse=0.05, seed=0))])
+    app = ClientApp(mods=[guard_mod(unclipped(defense="gaussian", min_rmse=0.05, seed=0))])
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
@@ -231,7 +232,7 @@ def _loop_app(mode: str) -> ClientApp:
     """A train handler with an ordinary optimizer loop over 3 batches, guarded in different ways."""
     from flguard import make_guarded
 
-    app = ClientApp(mods=[guard_mod(GuardConfig(defense="gaussian", min_rmse=0.05, seed=0))])
+    app = ClientApp(mods=[guard_mod(unclipped(defense="gaussian", min_rmse=0.05, seed=0))])
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
@@ -305,7 +306,7 @@ def test_the_run_config_cannot_switch_off_or_lower_the_clients_guard(run_guard, 
 
     client = {"guard-defense": "gaussian", "guard-min-rmse": 0.05}
     mod = (guard_mod_from_run_config() if where == "node-config"
-           else guard_mod_from_run_config(minimum=GuardConfig(defense="gaussian", min_rmse=0.05)))
+           else guard_mod_from_run_config(minimum=unclipped(defense="gaussian", min_rmse=0.05)))
     context = _client_context(client if where == "node-config" else {}, run_guard)
     model = task.make_model(SETTINGS)
     reply = _app([mod])(_message(MessageType.TRAIN, model), context)
@@ -338,7 +339,7 @@ def test_the_uploaded_arrays_meet_the_floor_under_an_independent_dense_i2f(defen
     tiny = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Tanh(), torch.nn.Flatten(),
                                torch.nn.Linear(2 * 4 * 4, 3)).double()
     x, y, lr, tau = torch.randn(3, 1, 6, 6, dtype=torch.float64), torch.tensor([0, 2, 1]), 0.05, 0.3
-    app = ClientApp(mods=[guard_mod(GuardConfig(defense=defense, min_rmse=tau, max_rel_noise=1e4))])
+    app = ClientApp(mods=[guard_mod(unclipped(defense=defense, min_rmse=tau, max_rel_noise=1e4))])
 
     @app.train()
     def train(message: Message, context: Context) -> Message:

@@ -9,6 +9,7 @@ from torch import nn
 from flguard import Guard, GuardConfig
 from flguard.config import ConfigError
 from risk_reference import dense_jacobians
+from guard_settings import unclipped
 
 TAU = 0.05
 
@@ -33,7 +34,7 @@ def _dense_rmse(jac: torch.Tensor, delta: torch.Tensor, eps: torch.Tensor) -> to
 @pytest.mark.parametrize("batch", [1, 3])
 def test_promise_holds_under_dense_recomputation(defense, batch):
     model, x, y, jac, g = _problem(batch)
-    out = Guard(GuardConfig(defense=defense, min_rmse=TAU, seed=3)).protect(model, x, y, g)
+    out = Guard(unclipped(defense=defense, min_rmse=TAU, seed=3)).protect(model, x, y, g)
     assert out.report.met and out.gradient is not None
     delta = out.gradient - g
     lam_max = torch.linalg.eigvalsh(jac @ jac.transpose(1, 2))[:, -1]
@@ -51,8 +52,8 @@ def test_eigen_needs_less_noise_than_gaussian_and_nears_the_single_direction_lim
     model, x, y, jac, g = _problem(batch)
     ratios = []
     for seed in range(3):
-        gauss = Guard(GuardConfig(defense="gaussian", min_rmse=TAU, seed=seed)).protect(model, x, y, g).report
-        eigen = Guard(GuardConfig(defense="eigen", min_rmse=TAU, seed=seed)).protect(model, x, y, g).report
+        gauss = Guard(unclipped(defense="gaussian", min_rmse=TAU, seed=seed)).protect(model, x, y, g).report
+        eigen = Guard(unclipped(defense="eigen", min_rmse=TAU, seed=seed)).protect(model, x, y, g).report
         ratios.append(eigen.noise_norm / gauss.noise_norm)
     ratio = sum(ratios) / len(ratios)
     lam = torch.linalg.eigvalsh(jac @ jac.transpose(1, 2))
@@ -66,14 +67,14 @@ def test_eigen_needs_less_noise_than_gaussian_and_nears_the_single_direction_lim
 
 def test_seeds_reproduce_and_os_entropy_differs():
     model, x, y, _, g = _problem(2)
-    first = Guard(GuardConfig(defense="eigen", seed=7)).protect(model, x, y, g).gradient
-    again = Guard(GuardConfig(defense="eigen", seed=7)).protect(model, x, y, g).gradient
+    first = Guard(unclipped(defense="eigen", seed=7)).protect(model, x, y, g).gradient
+    again = Guard(unclipped(defense="eigen", seed=7)).protect(model, x, y, g).gradient
     torch.testing.assert_close(first, again)
-    a = Guard(GuardConfig(defense="gaussian")).protect(model, x, y, g).gradient
-    b = Guard(GuardConfig(defense="gaussian")).protect(model, x, y, g).gradient
+    a = Guard(unclipped(defense="gaussian")).protect(model, x, y, g).gradient
+    b = Guard(unclipped(defense="gaussian")).protect(model, x, y, g).gradient
     assert not torch.allclose(a, b)
     # one guard, two updates: a seeded guard still draws fresh noise for every update
-    guard = Guard(GuardConfig(defense="gaussian", seed=7))
+    guard = Guard(unclipped(defense="gaussian", seed=7))
     first_step, second_step = (guard.protect(model, x, y, g).gradient - g for _ in range(2))
     assert not torch.allclose(first_step / first_step.norm(), second_step / second_step.norm())
 
@@ -83,7 +84,7 @@ def test_nan_gradient_is_dropped_under_every_policy():
     bad = g.clone()
     bad[0] = float("nan")
     for policy, extra in (("drop", {}), ("max-noise", {}), ("send", {"acknowledge_unguarded": True})):
-        out = Guard(GuardConfig(defense="gaussian", on_unmet=policy, **extra)).protect(model, x, y, bad)
+        out = Guard(unclipped(defense="gaussian", on_unmet=policy, **extra)).protect(model, x, y, bad)
         assert out.gradient is None and not out.report.met and "NaN" in out.report.reason
 
 
@@ -99,7 +100,7 @@ def test_solver_failure_fails_closed(monkeypatch):
 
     monkeypatch.setattr(RegularisedK, "lanczos", not_converging)
     model, x, y, _, g = _problem(2)
-    out = Guard(GuardConfig(defense="eigen")).protect(model, x, y, g)
+    out = Guard(unclipped(defense="eigen")).protect(model, x, y, g)
     assert out.gradient is None and not out.report.met and "converge" in out.report.reason
 
 
@@ -109,37 +110,37 @@ def test_exception_while_measuring_fails_closed():
     def broken_loss(logits, labels):
         raise RuntimeError("loss exploded")
 
-    out = Guard(GuardConfig(defense="gaussian")).protect(model, x, y, g, loss_fn=broken_loss)
+    out = Guard(unclipped(defense="gaussian")).protect(model, x, y, g, loss_fn=broken_loss)
     assert out.gradient is None and "loss exploded" in out.report.reason
 
 
 def test_unreachable_floor_within_budget():
     model, x, y, _, g = _problem(2)
     cfg = dict(defense="gaussian", min_rmse=TAU, max_rel_noise=1e-4, seed=0)
-    dropped = Guard(GuardConfig(**cfg)).protect(model, x, y, g)
+    dropped = Guard(unclipped(**cfg)).protect(model, x, y, g)
     assert dropped.gradient is None and "budget" in dropped.report.reason
-    maxed = Guard(GuardConfig(**cfg, on_unmet="max-noise")).protect(model, x, y, g)
+    maxed = Guard(unclipped(**cfg, on_unmet="max-noise")).protect(model, x, y, g)
     assert maxed.gradient is not None and not maxed.report.met
     torch.testing.assert_close((maxed.gradient - g).norm(), 1e-4 * g.norm())
-    sent = Guard(GuardConfig(**cfg, on_unmet="send", acknowledge_unguarded=True)).protect(model, x, y, g)
+    sent = Guard(unclipped(**cfg, on_unmet="send", acknowledge_unguarded=True)).protect(model, x, y, g)
     assert torch.equal(sent.gradient, g) and not sent.report.met
 
 
 def test_send_without_acknowledgement_is_a_config_error():
     with pytest.raises(ConfigError, match="acknowledge_unguarded"):
-        GuardConfig(on_unmet="send")
+        unclipped(on_unmet="send")
     with pytest.raises(ConfigError, match="GuardConfig.defense"):
-        GuardConfig(defense="eigne")
+        unclipped(defense="eigne")
 
 
 def test_baselines_report_their_measured_protection():
     model, x, y, jac, g = _problem(2)
     own = {"fixed-gaussian": {"sigma": 1e-3}, "localdp": {"clipping_norm": 1.0, "sensitivity": 1.0, "epsilon": 1.0}}
     for defense in ("fixed-gaussian", "pruning", "localdp", "none"):
-        out = Guard(GuardConfig(defense=defense, min_rmse=TAU, seed=0, **own.get(defense, {}))).protect(model, x, y, g)
+        out = Guard(unclipped(defense=defense, min_rmse=TAU, seed=0, **own.get(defense, {}))).protect(model, x, y, g)
         assert out.gradient is not None
         dense = _dense_rmse(jac, out.gradient - g, out.report.eps)
         torch.testing.assert_close(out.report.rmse_after, dense, rtol=2e-3, atol=1e-12)
         assert out.report.met == bool((dense >= TAU).all())
-    pruned = Guard(GuardConfig(defense="pruning", keep_ratio=0.25)).protect(model, x, y, g).gradient
+    pruned = Guard(unclipped(defense="pruning", keep_ratio=0.25)).protect(model, x, y, g).gradient
     assert int((pruned != 0).sum()) == -(-g.numel() // 4)

@@ -14,6 +14,7 @@ from torch import nn
 from flguard import Guard, GuardConfig
 from flguard.config import ConfigError
 from risk_reference import dense_jacobians
+from guard_settings import unclipped
 
 TAU = 0.3
 BOX = (-1.0, 1.5)
@@ -42,38 +43,38 @@ def _dense_clipped_rmse(jac, x, delta, eps, box):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_box_aware_floor_holds_under_dense_recomputation(defense, batch):
     model, x, y, jac, g = _problem(batch)
-    boxed = Guard(GuardConfig(defense=defense, min_rmse=TAU, seed=3, input_bounds=BOX)).protect(model, x, y, g)
+    boxed = Guard(unclipped(defense=defense, min_rmse=TAU, seed=3, input_bounds=BOX)).protect(model, x, y, g)
     assert boxed.report.met and boxed.gradient is not None
-    clipped, unclipped = _dense_clipped_rmse(jac, x, boxed.gradient - g, boxed.report.eps, BOX)
+    clipped, unboxed = _dense_clipped_rmse(jac, x, boxed.gradient - g, boxed.report.eps, BOX)
     assert torch.all(clipped >= TAU), clipped
     torch.testing.assert_close(boxed.report.rmse_after, clipped, rtol=2e-3, atol=0)
     assert float(clipped.min()) <= TAU * 1.01  # just enough for the tightest sample
-    assert torch.all(unclipped >= clipped)
-    plain = Guard(GuardConfig(defense=defense, min_rmse=TAU, seed=3)).protect(model, x, y, g)
+    assert torch.all(unboxed >= clipped)
+    plain = Guard(unclipped(defense=defense, min_rmse=TAU, seed=3)).protect(model, x, y, g)
     assert plain.report.met and boxed.report.noise_norm > plain.report.noise_norm  # the box costs noise
 
 
 def test_per_channel_bounds_and_unreachable_floors():
     model, x, y, _, g = _problem(2)
-    per_channel = Guard(GuardConfig(defense="gaussian", min_rmse=TAU, seed=0, input_bounds=((-1.0,), (1.5,))))
-    scalar = Guard(GuardConfig(defense="gaussian", min_rmse=TAU, seed=0, input_bounds=BOX))
+    per_channel = Guard(unclipped(defense="gaussian", min_rmse=TAU, seed=0, input_bounds=((-1.0,), (1.5,))))
+    scalar = Guard(unclipped(defense="gaussian", min_rmse=TAU, seed=0, input_bounds=BOX))
     torch.testing.assert_close(per_channel.protect(model, x, y, g).gradient, scalar.protect(model, x, y, g).gradient)
-    wrong = Guard(GuardConfig(defense="gaussian", min_rmse=TAU, input_bounds=((-1.0, -1.0), (1.5, 1.5))))
+    wrong = Guard(unclipped(defense="gaussian", min_rmse=TAU, input_bounds=((-1.0, -1.0), (1.5, 1.5))))
     out = wrong.protect(model, x, y, g)
     assert out.gradient is None and "channel" in out.report.reason
     # The clipped error of a pixel can never exceed its distance to the box: an RMSE floor above the
     # box's diameter is unreachable at any noise, so the update stays on the client.
-    far = Guard(GuardConfig(defense="eigen", min_rmse=3.0, input_bounds=BOX, max_rel_noise=1e6)).protect(model, x, y, g)
+    far = Guard(unclipped(defense="eigen", min_rmse=3.0, input_bounds=BOX, max_rel_noise=1e6)).protect(model, x, y, g)
     assert far.gradient is None and not far.report.met and "input_bounds" in far.report.reason
     with pytest.raises(ConfigError, match="input_bounds"):
-        GuardConfig(input_bounds=(1.0, -1.0))
+        unclipped(input_bounds=(1.0, -1.0))
 
 
 @pytest.mark.parametrize("bounds", [None, BOX])
 def test_gaussian_floor_keeps_an_isotropic_part_that_meets_its_share_alone(bounds):
     model, x, y, jac, g = _problem(2)
     cfg = dict(defense="eigen", min_rmse=TAU, seed=5, input_bounds=bounds)
-    floored = Guard(GuardConfig(gaussian_floor=0.5, **cfg)).protect(model, x, y, g)
+    floored = Guard(unclipped(gaussian_floor=0.5, **cfg)).protect(model, x, y, g)
     assert floored.report.met
     assert floored.report.details["rmse_gaussian_part"] >= 0.5 * TAU
     if bounds is None:
@@ -83,16 +84,16 @@ def test_gaussian_floor_keeps_an_isotropic_part_that_meets_its_share_alone(bound
         dense = _dense_clipped_rmse(jac, x, floored.gradient - g, floored.report.eps, BOX)[0]
     assert torch.all(dense >= TAU), dense
     torch.testing.assert_close(floored.report.rmse_after, dense, rtol=2e-3, atol=0)
-    pure = Guard(GuardConfig(**cfg)).protect(model, x, y, g)
-    gauss = Guard(GuardConfig(**{**cfg, "defense": "gaussian"})).protect(model, x, y, g)
+    pure = Guard(unclipped(**cfg)).protect(model, x, y, g)
+    gauss = Guard(unclipped(**{**cfg, "defense": "gaussian"})).protect(model, x, y, g)
     assert pure.report.noise_norm < floored.report.noise_norm < 1.5 * gauss.report.noise_norm
 
 
 def test_batch_bounds_are_the_data_range_per_channel():
     model, x, y, jac, g = _problem(3)
     box = (float(x.min()), float(x.max()))
-    batch = Guard(GuardConfig(defense="gaussian", min_rmse=TAU, seed=1, input_bounds="batch")).protect(model, x, y, g)
-    fixed = Guard(GuardConfig(defense="gaussian", min_rmse=TAU, seed=1, input_bounds=box)).protect(model, x, y, g)
+    batch = Guard(unclipped(defense="gaussian", min_rmse=TAU, seed=1, input_bounds="batch")).protect(model, x, y, g)
+    fixed = Guard(unclipped(defense="gaussian", min_rmse=TAU, seed=1, input_bounds=box)).protect(model, x, y, g)
     torch.testing.assert_close(batch.gradient, fixed.gradient)
     clipped = _dense_clipped_rmse(jac, x, batch.gradient - g, batch.report.eps, box)[0]
     assert batch.report.met and torch.all(clipped >= TAU)

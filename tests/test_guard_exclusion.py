@@ -17,6 +17,7 @@ from flguard import Guard, GuardConfig
 from flguard.risk.operator import JacobianOperator
 
 from risk_reference import dense_jacobians, tiny_conv_problem
+from guard_settings import unclipped
 
 TAU = 0.2
 
@@ -38,7 +39,7 @@ def _shift(jac: torch.Tensor, delta: torch.Tensor, eps: torch.Tensor) -> torch.T
 def _needs(model, x, y, defense: str, seed: int):
     """Per-sample RMSE at a large scale with everything kept: the realised direction and each sample's need."""
     jac, g = dense_jacobians(model, x, y)
-    out = Guard(GuardConfig(defense=defense, min_rmse=TAU, seed=seed, max_rel_noise=1e6)).protect(model, x, y, g)
+    out = Guard(unclipped(defense=defense, min_rmse=TAU, seed=seed, max_rel_noise=1e6)).protect(model, x, y, g)
     assert out.report.met
     delta = out.gradient - g
     rmse = _shift(jac, delta, out.report.eps).norm(dim=1) / x[0].numel() ** 0.5
@@ -54,10 +55,10 @@ def test_the_hardest_sample_is_left_out_and_the_rest_meet_the_floor(defense):
     budget = float((need[order[-1]] + need[order[-2]]) / 2)  # enough for all but the hardest sample
     cfg = dict(defense=defense, min_rmse=TAU, seed=3, max_rel_noise=budget / float(g.norm()))
 
-    withheld = Guard(GuardConfig(**cfg)).protect(model, x, y, g)
+    withheld = Guard(unclipped(**cfg)).protect(model, x, y, g)
     assert not withheld.report.met and withheld.gradient is None
 
-    out = Guard(GuardConfig(**cfg, max_excluded=0.25)).protect(model, x, y, g)
+    out = Guard(unclipped(**cfg, max_excluded=0.25)).protect(model, x, y, g)
     assert out.report.met and out.gradient is not None
     hardest = int(order[-1])
     kept = [i for i in range(len(x)) if i != hardest]
@@ -79,8 +80,8 @@ def test_beyond_max_excluded_the_step_is_withheld():
     order = need.argsort()
     budget = float((need[order[-2]] + need[order[-3]]) / 2)  # the two hardest cannot be protected
     cfg = dict(defense="gaussian", min_rmse=TAU, seed=5, max_rel_noise=budget / float(g.norm()))
-    assert Guard(GuardConfig(**cfg, max_excluded=0.25)).protect(model, x, y, g).gradient is None
-    out = Guard(GuardConfig(**cfg, max_excluded=0.5)).protect(model, x, y, g)
+    assert Guard(unclipped(**cfg, max_excluded=0.25)).protect(model, x, y, g).gradient is None
+    out = Guard(unclipped(**cfg, max_excluded=0.5)).protect(model, x, y, g)
     assert out.report.met and out.report.details["excluded"] == 2
     assert torch.isinf(out.report.rmse_after[order[-2:]]).all()
 
@@ -89,16 +90,16 @@ def test_a_gradient_that_is_not_the_batch_loss_cannot_shed_samples():
     model, x, y = _problem()
     _, g, need = _needs(model, x, y, "gaussian", seed=7)
     budget = float(need.sort().values[-2:].mean())
-    cfg = GuardConfig(defense="gaussian", min_rmse=TAU, seed=7, max_rel_noise=budget / float(g.norm()), max_excluded=0.5)
+    cfg = unclipped(defense="gaussian", min_rmse=TAU, seed=7, max_rel_noise=budget / float(g.norm()), max_excluded=0.5)
     out = Guard(cfg).protect(model, x, y, g + 0.1 * g.norm() * torch.randn_like(g) / g.numel() ** 0.5)
     assert out.gradient is None and "not the batch loss's gradient" in out.report.reason
 
 
 def test_max_excluded_is_validated():
     with pytest.raises(ValueError, match="max_excluded"):
-        GuardConfig(defense="gaussian", max_excluded=1.5)
+        unclipped(defense="gaussian", max_excluded=1.5)
     with pytest.raises(ValueError, match="max_excluded"):
-        GuardConfig(defense="fixed-gaussian", max_excluded=0.1)
+        unclipped(defense="fixed-gaussian", max_excluded=0.1)
 
 
 def test_with_the_box_the_kept_samples_meet_the_clipped_floor():
@@ -107,11 +108,11 @@ def test_with_the_box_the_kept_samples_meet_the_clipped_floor():
     x = x.clamp(-1.0, 1.0)  # many pixels on the box's faces: clipping removes much of their error
     jac, g = dense_jacobians(model, x, y)
     base = dict(defense="gaussian", min_rmse=TAU, seed=11, input_bounds=(-1.0, 1.0))
-    full = Guard(GuardConfig(**base, max_rel_noise=1e6)).protect(model, x, y, g)
+    full = Guard(unclipped(**base, max_rel_noise=1e6)).protect(model, x, y, g)
     assert full.report.met
     cfg = dict(base, max_rel_noise=0.8 * full.report.noise_norm / float(g.norm()))  # short of the hardest
-    assert Guard(GuardConfig(**cfg)).protect(model, x, y, g).gradient is None
-    out = Guard(GuardConfig(**cfg, max_excluded=0.5)).protect(model, x, y, g)
+    assert Guard(unclipped(**cfg)).protect(model, x, y, g).gradient is None
+    out = Guard(unclipped(**cfg, max_excluded=0.5)).protect(model, x, y, g)
     assert out.report.met and out.report.details["excluded"] >= 1
     kept = torch.isfinite(out.report.rmse_after)
     delta = out.gradient - _per_sample(model, x, y)[kept].sum(0)
@@ -135,9 +136,9 @@ def test_a_sample_the_noise_cannot_move_is_left_out_instead_of_failing_the_step(
     jac, g = dense_jacobians(model, x, y)
     assert float(jac[2].abs().max()) == 0.0 and float(jac[[0, 1, 3]].abs().amax(dim=(1, 2)).min()) > 0
     cfg = dict(defense="gaussian", min_rmse=TAU, seed=4, max_rel_noise=1e6)
-    failed = Guard(GuardConfig(**cfg)).protect(model, x, y, g)
+    failed = Guard(unclipped(**cfg)).protect(model, x, y, g)
     assert failed.gradient is None and "no measurable effect" in failed.report.reason
-    out = Guard(GuardConfig(**cfg, max_excluded=0.25)).protect(model, x, y, g)
+    out = Guard(unclipped(**cfg, max_excluded=0.25)).protect(model, x, y, g)
     assert out.report.met and out.report.details["excluded"] == 1 and torch.isinf(out.report.rmse_after[2])
     kept = [0, 1, 3]
     delta = out.gradient - _per_sample(model, x, y)[kept].sum(0)
@@ -158,8 +159,8 @@ def test_a_negligible_sample_that_cannot_be_certified_is_left_out_without_counti
     g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(nn.functional.cross_entropy(model(x), y),
                                                              list(model.parameters()))])
     cfg = dict(min_rmse=0.5, clip_per_sample="median", max_rel_noise=1e6, rtol=1e-2, seed=0)
-    assert Guard(GuardConfig(**cfg)).protect(model, x, y, g).gradient is None
-    out = Guard(GuardConfig(**cfg, max_excluded=0.2)).protect(model, x, y, g)  # floor(0.2·4) = 0 samples
+    assert Guard(unclipped(**cfg)).protect(model, x, y, g).gradient is None
+    out = Guard(unclipped(**cfg, max_excluded=0.2)).protect(model, x, y, g)  # floor(0.2·4) = 0 samples
     assert out.report.met and out.gradient is not None
     assert out.report.details["excluded"] == out.report.details["excluded_negligible"] == 1
     assert torch.isinf(out.report.rmse_after[0]) and bool((out.report.rmse_after[1:] >= 0.5).all())

@@ -15,6 +15,7 @@ from torch import nn
 from flguard import GuardConfig, GuardFailure, make_guarded
 from flguard.training import GuardMisuse
 from risk_reference import dense_jacobians, dense_metrics
+from guard_settings import unclipped
 
 
 def tiny_cnn(dropout: float = 0.0) -> nn.Module:
@@ -34,7 +35,7 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-CONFIG = GuardConfig(defense="gaussian", min_rmse=0.2, max_rel_noise=1e4, seed=0, rtol=1e-3)
+CONFIG = unclipped(defense="gaussian", min_rmse=0.2, max_rel_noise=1e4, seed=0, rtol=1e-3)
 
 
 @pytest.mark.parametrize("defense", ["gaussian", "eigen"])
@@ -188,7 +189,7 @@ def test_without_a_config_it_needs_the_flower_mod():
 def test_per_sample_clipping_and_a_psnr_floor_work_through_the_drop_in():
     """With clip_per_sample the step applies the clipped mean gradient plus the guard's noise."""
     model = tiny_cnn()
-    config = GuardConfig(defense="eigen", max_psnr=20.0, pixel_mean=0.5, pixel_std=0.5, clip_per_sample=0.5,
+    config = unclipped(defense="eigen", max_psnr=20.0, pixel_mean=0.5, pixel_std=0.5, clip_per_sample=0.5,
                          max_rel_noise=50.0, subspace_size=4, krylov_steps=8, seed=0)
     model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=1.0),
                                                nn.CrossEntropyLoss(), config)

@@ -172,16 +172,17 @@ class GuardConfig(StrictModel):
     eps_mode: Literal["relative", "absolute"] = "relative"
     eps: float = Field(DEFAULT_EPS_RELATIVE, ge=0.0, description="Tikhonov ε: × λmax per sample, or absolute")
     max_rel_noise: float = Field(10.0, gt=0.0, description="noise budget: ‖noise‖ / ‖gradient‖ (or / C with "
-                                 "clip_per_sample) at most this")
+                                 "clip_per_sample) at most this; gaussian, eigen: 40 by default")
     clip_per_sample: float | Literal["median"] | None = Field(
         None, description="C: clip each sample's gradient to norm C before the floor (the guard measures the "
         "clipped map); max_rel_noise is then relative to C. 'median': C = the median of the batch's per-sample "
-        "gradient norms, each step (flguard.guard.clip_level); None: no clipping, the budget relative to ‖gradient‖")
+        "gradient norms, each step (flguard.guard.clip_level); None: no clipping, the budget relative to ‖gradient‖; "
+        "gaussian, eigen: 'median' by default")
     on_unmet: Literal["drop", "max-noise", "send"] = "drop"
     acknowledge_unguarded: bool = Field(False, description="required with on_unmet='send'")
     seed: int | None = Field(None, description="None: noise from OS entropy; an int only for tests/benchmarks")
     rtol: float = Field(1e-3, gt=0.0, lt=0.1, description="solver tolerance (the floor is aimed at "
-                        "τ(1 + 2·rtol) and verified at τ(1 + rtol))")
+                        "τ(1 + 2·rtol) and verified at τ(1 + rtol)); gaussian, eigen: 1e-2 by default")
     max_products: float | None = Field(DEFAULT_MAX_PRODUCTS, gt=0.0, description="per step: at most this many "
                                        "Jacobian products per sample (J or Jᵀ), else the step is withheld naming "
                                        "the limit; None: no limit")

@@ -5,6 +5,8 @@ pixel space [0, 1]. Iteration budgets are the smallest that clear 30 dB with a m
 published presets (GS 4,800 its, DLG 50 × 20) live in the defaults and in benchmarks.
 """
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -164,3 +166,17 @@ def test_tv_sweep_runs_as_one_batch_of_candidates(lfw_problem):
     assert rec.extra["sweep_losses"] == {0.0: min(losses[:2]), 0.1: min(losses[2:])}
     with pytest.raises(ValueError, match="tv_sweep"):
         reconstruct(model, gradient, pixels.shape[1:], method="gs", iterations=2, tv_sweep=(-1.0,))
+
+
+@pytest.mark.parametrize("method", ["dlg", "strongest"])
+def test_lbfgs_attacks_run_on_batches_with_restarts(method):
+    """Issue 23 §3: with batch_size > 1 and restarts > 1 the L-BFGS closure assigned a non-contiguous
+    gradient and torch's L-BFGS raised ``view size is not compatible`` in ``p.grad.view(-1)``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3), torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(300, 4))
+    x, y = torch.rand(2, 1, 12, 12), torch.tensor([0, 2])
+    params = list(model.parameters())
+    g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)])
+    rec = reconstruct(model, g, (1, 12, 12), method=method, labels=y, batch_size=2, restarts=2, iterations=3, seed=0)
+    assert rec.images.shape == (2, 1, 12, 12) and bool(torch.isfinite(rec.images).all())
+    assert math.isfinite(rec.loss)

@@ -93,7 +93,7 @@ def dlg(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[
         _, total = objective()
         total = total.sum()
         for variable, g in zip(variables, torch.autograd.grad(total, variables)):
-            variable.grad = g
+            variable.grad = g.contiguous()  # L-BFGS flattens it with .view(-1)
         return total
 
     for _ in range(steps):

@@ -204,7 +204,8 @@ class Guard:
         jd = jacobian_product(op, noise).norm(dim=1) if floor > 0 else unit_jd * scale
         if keep is not None:  # a left-out sample is not in the update: nothing of it to recover
             jd = torch.where(keep, jd, torch.full_like(jd, float("inf")))
-        info = {"scale": float(scale), **_summaries({**direction.info, **info})}
+        info = {"scale": float(scale), **({"clip": self._clip} if self._clip is not None else {}),
+                **_summaries({**direction.info, **info})}
         if reachable and not bool((rmse >= cfg.floor * (1 + cfg.rtol)).all()):  # non-finite arithmetic
             raise GuardFailure("the floor could not be verified on the realised noise")
         if not reachable or float(noise.norm()) > budget:

@@ -22,12 +22,13 @@ from flwr.serverapp.strategy import FedAvg
 from flguard import GuardConfig
 from flguard.flower import guard_mod, task
 from flguard.guard_report import METRIC_KEYS
+from guard_settings import unclipped
 
 OVERRIDES = {"num-server-rounds": 2, "batch-size": 2, "local-steps": 1, "lr": 0.1, "init": "uniform",
              "malicious": False, "round-timeout": 600.0}
 SETTINGS = task.TaskSettings.from_config(OVERRIDES)
 BACKEND = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 2}}
-GUARD = GuardConfig(defense="gaussian", min_rmse=0.05)
+GUARD = unclipped(defense="gaussian", min_rmse=0.05)  # the upload is the plain gradient + noise
 
 
 class RecordingFedAvg(FedAvg):

@@ -25,6 +25,7 @@ from flwr.serverapp.strategy import FedAvg
 from conftest import importable_app
 from flguard.guard import Guard
 from flguard.guard_report import METRIC_KEYS
+from flguard.risk.operator import JacobianOperator
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "simulations" / "quickstart"
@@ -98,7 +99,7 @@ def test_quickstart_app_is_guarded_every_round_under_the_ray_engine(quickstart, 
     assert set(result.evaluate_metrics_clientapp) == {1, 2}
 
 
-def test_quickstart_upload_is_the_plain_loop_plus_exactly_the_guards_noise(quickstart, monkeypatch, one_thread):
+def test_quickstart_upload_is_the_clipped_loop_plus_exactly_the_guards_noise(quickstart, monkeypatch, one_thread):
     from flwr.supercore.task_identity import TaskIdentity
 
     client_app, task = quickstart
@@ -109,8 +110,15 @@ def test_quickstart_upload_is_the_plain_loop_plus_exactly_the_guards_noise(quick
     protect = Guard.protect
 
     def spy(self, model, x, y, gradient, loss_fn=None):
+        per_sample = JacobianOperator(model, x, y).per_sample_gradients()  # before the guard, independently
         out = protect(self, model, x, y, gradient, loss_fn=loss_fn)
-        steps.append((gradient.clone(), out.gradient.clone(), out.report.noise_norm))
+        # the default clips each sample's gradient at C (the median norm) and may leave samples out
+        # (rmse_after = inf): the upload before noise is the mean of the kept samples' clipped gradients
+        clip, kept = out.report.details["clip"], torch.isfinite(out.report.rmse_after)
+        assert clip == pytest.approx(float(per_sample.norm(dim=1).median()), rel=1e-6)
+        factor = torch.clamp(clip / per_sample.norm(dim=1), max=1.0).unsqueeze(1)
+        sent = (per_sample * factor)[kept].sum(0) / len(x)
+        steps.append((sent, out.gradient.clone(), out.report.noise_norm))
         return out
 
     monkeypatch.setattr(Guard, "protect", spy)
@@ -124,8 +132,8 @@ def test_quickstart_upload_is_the_plain_loop_plus_exactly_the_guards_noise(quick
     assert not reply.has_error(), reply.error
     assert reply.content.metric_records["metrics"]["guard_met"] == 1.0
     assert len(steps) == 5  # 80 training samples, batches of 16: every step went through the guard
-    for unguarded, guarded, noise_norm in steps:
-        assert float((guarded - unguarded).norm()) == pytest.approx(noise_norm, rel=1e-5)
+    for clipped, guarded, noise_norm in steps:
+        assert float((guarded - clipped).norm()) == pytest.approx(noise_norm, rel=1e-4)
     # Replay SGD(momentum=0.9) from θ0 on the guarded gradients: it must give the upload exactly.
     replay = task.Net("lfw-faces")
     replay.load_state_dict(theta0)

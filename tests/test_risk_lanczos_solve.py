@@ -20,6 +20,7 @@ from flguard.risk.lanczos import lanczos
 from flguard.risk.lanczos_solve import lanczos_solve
 from flguard.risk.operator import JacobianOperator
 from risk_reference import dense_jacobians, dense_shifted_solve, outlier_kernels, tiny_conv_problem
+from guard_settings import unclipped
 
 
 def _matvec(kernel):
@@ -99,7 +100,7 @@ def test_gaussian_guard_meets_the_floor_under_dense_recomputation(monkeypatch, o
     model, x, y = tiny_conv_problem(batch=4, seed=1)
     jac, g = dense_jacobians(model, x, y)
     tau = 0.2
-    out = Guard(GuardConfig(defense="gaussian", min_rmse=tau, seed=3, max_rel_noise=1e9)).protect(model, x, y, g)
+    out = Guard(unclipped(defense="gaussian", min_rmse=tau, seed=3, max_rel_noise=1e9)).protect(model, x, y, g)
     assert out.report.met and out.gradient is not None
     kernel = jac @ jac.transpose(1, 2)
     lam = torch.linalg.eigvalsh(kernel)[:, -1]

@@ -20,6 +20,7 @@ from flguard.risk.lanczos import lanczos
 from flguard.risk.operator import JacobianOperator
 from flguard.risk.regularised import RegularisedK
 from risk_reference import dense_jacobians, dense_shifted_solve as _dense, outlier_kernels as _kernels, tiny_conv_problem
+from guard_settings import unclipped
 
 
 @pytest.mark.parametrize("rtol", [1e-2, 1e-4])
@@ -86,7 +87,7 @@ def test_guard_with_pcg_meets_the_floor_under_dense_recomputation(monkeypatch, d
     model, x, y = _model_problem(batch=4, seed=1)
     jac, g = dense_jacobians(model, x, y)
     tau = 0.2
-    out = Guard(GuardConfig(defense=defense, min_rmse=tau, seed=3, max_rel_noise=1e9)).protect(model, x, y, g)
+    out = Guard(unclipped(defense=defense, min_rmse=tau, seed=3, max_rel_noise=1e9)).protect(model, x, y, g)
     assert out.report.met and out.gradient is not None
     exact = _dense(jac @ jac.transpose(1, 2), jac @ (out.gradient - g), out.report.eps)
     rmse = exact.norm(dim=1) / jac.shape[1] ** 0.5

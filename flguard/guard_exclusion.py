@@ -86,7 +86,8 @@ def kept_gradient(op: JacobianOperator | ClippedJacobian, flat: torch.Tensor, ke
     if isinstance(op, ClippedJacobian):
         per = per * op.factor.unsqueeze(1)
     whole = base.scale * per.sum(0)
-    if float((whole.to(flat) - flat).norm()) > 1e-3 * float(flat.norm()) + 1e-12:
+    summands = base.scale * float(per.norm(dim=1).sum())  # rounding is relative to the summands (see guard._clipped)
+    if float((whole.to(flat) - flat).norm()) > 1e-3 * (float(flat.norm()) + summands) + 1e-12:
         raise ValueError("the gradient given is not the batch loss's gradient at (model, x, y): samples cannot "
                          "be left out of it")
     return (base.scale * per[keep].sum(0)).to(flat)

@@ -199,7 +199,7 @@ class Guard:
                 scale, rmse, reachable = self._fit(op.x, shift, cfg.floor, max(at, at_least), at_least, keep=keep)
                 info["excluded"] = int((~keep).sum())
                 info["excluded_negligible"] = int((~keep & negligible_samples(op)).sum())
-        info["rmse_unbounded"] = to_rmse(shift.norm(dim=1) * scale, op.dx)
+        info["rmse_unbounded"] = to_rmse((shift if keep is None else shift[keep]).norm(dim=1) * scale, op.dx)
         noise = vector * scale
         jd = jacobian_product(op, noise).norm(dim=1) if floor > 0 else unit_jd * scale
         if keep is not None:  # a left-out sample is not in the update: nothing of it to recover

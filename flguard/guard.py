@@ -447,17 +447,22 @@ def _box_scale(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: to
     return hi, clipped(hi), True
 
 
+#: The grid of ``_scales``: steps of 2^(1/4) (19%), at most 256 scales (a span of 2^64).
+SCALE_STEP, MAX_SCALES = 2 ** 0.25, 256
+
+
 def _scales(shift: torch.Tensor, target: float, limit: float) -> list[float]:
-    """Noise scales at which to ask which samples are certifiable: doubling from the least scale at
-    which the most movable sample reaches ``target`` (linearly) up to ``limit``, ``limit`` included.
-    With ``input_bounds`` a sample's certified (box-clipped, minus the solver's slack) error is not
-    monotone in the scale — the clipped error saturates while the slack grows — so the samples to
+    """Noise scales at which to ask which samples are certifiable: steps of SCALE_STEP from the least
+    scale at which the most movable sample reaches ``target`` (linearly) up to ``limit``, included.
+    With ``input_bounds`` a sample's certified (box-clipped, minus the solver's slack rtol·c·‖Δx‖)
+    error is not monotone in the scale c — the clipped error saturates while the slack grows — so a
+    sample certifies on a window of scales, which a doubling search can step over; the samples to
     keep are chosen where most of them certify, not only at the budget's end."""
     start = from_rmse(target, shift.shape[1]) / max(float(shift.norm(dim=1).max()), 1e-30)
     scales, scale = [], min(start, limit)
-    while scale < limit and len(scales) < 64:
+    while scale < limit and len(scales) < MAX_SCALES:
         scales.append(scale)
-        scale *= 2
+        scale *= SCALE_STEP
     return scales + [limit]
 
 

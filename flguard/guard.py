@@ -195,12 +195,12 @@ class Guard:
             if chosen is None and not certifiable:
                 raise GuardFailure(_UNUSABLE)
             if chosen is not None:  # fitted up to the scale at which the kept samples all certify
-                keep, at = chosen
+                keep, at, free = chosen
                 keep = None if bool(keep.all()) else keep
                 scale, rmse, reachable = self._fit(op.x, shift, cfg.floor, max(at, at_least), at_least, keep=keep)
                 if keep is not None:
                     info["excluded"] = int((~keep).sum())
-                    info["excluded_negligible"] = int((~keep & negligible_samples(op)).sum())
+                    info["excluded_negligible"] = int((~keep & free).sum())
         info["rmse_unbounded"] = to_rmse((shift if keep is None else shift[keep]).norm(dim=1) * scale, op.dx)
         noise = vector * scale
         jd = jacobian_product(op, noise).norm(dim=1) if floor > 0 else unit_jd * scale
@@ -222,15 +222,15 @@ class Guard:
         return _Outcome(noise, rmse, _rmse_lb(jd, ctx.lambda_max, op.dx), ctx.eps, True, "", info, update)
 
     def _protectable(self, op: Jacobian, shift: torch.Tensor, limit: float,
-                     usable: torch.Tensor) -> tuple[torch.Tensor, float] | None:
-        """(the samples to keep, a scale ≤ ``limit`` at which they all certify) when the budget (scale
-        ``limit`` of the direction) cannot protect the whole batch — never an uncertifiable sample
-        (``usable`` False); the scale is the least, on ``_scales``' grid, that leaves out the fewest non-negligible
-        samples, then the fewest samples.
-        None when leaving the others out is not allowed (``max_excluded``, beyond which negligible
-        samples do not count; the per-sample path) or would not help. All samples kept comes back
-        too: the box certificate can hold for all of them in a window of scales that the doubling
-        fit from the linear scale steps over (then they are fitted up to that window)."""
+                     usable: torch.Tensor) -> tuple[torch.Tensor, float, torch.Tensor] | None:
+        """(the samples to keep, a scale ≤ ``limit`` at which they all certify, the negligible samples)
+        when the budget (scale ``limit`` of the direction) cannot protect the whole batch — never an
+        uncertifiable sample (``usable`` False); the scale is the least, on ``_scales``' grid, that
+        leaves out the fewest non-negligible samples, then the fewest samples. None when leaving the
+        others out is not allowed (``max_excluded``, beyond which negligible samples do not count; the
+        per-sample path) or would not help. All samples kept comes back too: the box certificate can
+        hold for all of them in a window of scales that the doubling fit from the linear scale steps
+        over (then they are fitted up to that window)."""
         cfg = self.config
         if cfg.max_excluded <= 0 or base_operator(op).coupled or not bool(usable.any()):
             return None
@@ -244,7 +244,7 @@ class Guard:
                 best, at, rank = keep, scale, here
         if best is None or not (bool(best.all()) or excludable(best, cfg.max_excluded, free)):
             return None
-        return best, at  # all kept: the doubling fit from the linear scale missed the window where all certify
+        return best, at, free  # all kept: the doubling fit from the linear scale missed the window where all certify
 
     def _solve(self, ctx: DefenseContext, vector: torch.Tensor,
                allow_unusable: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -38,7 +38,7 @@ from torch import nn
 
 from flguard.guard import Guard, GuardFailure
 from flguard.guard_config import GuardConfig
-from flguard.guard_model import STRUCTURAL, UnsupportedModel, model_problems, require_supported
+from flguard.guard_model import STRUCTURAL, UnsupportedModel, require_supported
 from flguard.guard_report import GuardReport
 from flguard.guard_session import active_session
 
@@ -268,9 +268,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
 def _refuse_unsupported(model: nn.Module) -> None:
     """At every step: the model's mode may have changed since ``make_guarded`` (``model.train()``
     re-enables a Dropout): refuse what ``check_model`` lists, as a ``GuardMisuse`` naming it."""
-    problems = [message for _, message in model_problems(model)]
-    if problems:
-        raise GuardMisuse("the model cannot be guarded per sample (flguard.check_model):\n  - " + "\n  - ".join(problems))
+    try:
+        require_supported(model, "optimizer.step() (flguard.check_model)")
+    except UnsupportedModel as error:
+        raise GuardMisuse(str(error)) from error
 
 
 def make_guarded(model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -91,19 +91,27 @@ def _clipped_upload_jacobians(model, x, y, clip):
     return torch.stack([jacfwd(term)(x[i].contiguous(), y[i]).reshape(-1, x[i].numel()).T for i in range(len(x))])
 
 
-def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f():
+@pytest.mark.parametrize("defense,products", [("gaussian", "cached"), ("gaussian", "direct"), ("eigen", "direct")])
+def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f(defense, products, monkeypatch):
     """make_guarded with median clipping, exclusion and the 15 dB pixel floor (its pixel box, ε =
     1e-2·λmax) on a 3-channel GroupNorm ResNet fed channels-last inputs: the noise actually applied
     gives every kept sample a dense-recomputed, box-clipped I²F RMSE ≥ τ, and the report's values
-    agree with the dense ones."""
+    agree with the dense ones — with the cached products and with the direct ones that large models
+    take (two samples per chunk here; the eigen directions then mapped one vector at a time)."""
+    from flguard.defenses import eigen
+    from flguard.risk import operator
     torch.manual_seed(0)
     model = create("resnet8_gn", image_size=6).double()
+    if products == "direct":
+        dtheta = sum(p.numel() for p in model.parameters())
+        monkeypatch.setattr(operator, "CACHED_UP_TO", 2 * dtheta)
+        monkeypatch.setattr(eigen, "MAX_CHUNK_FLOATS", 4 * dtheta)
     x = torch.rand(4, 3, 6, 6, dtype=torch.float64)
     x = ((x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)).to(
         memory_format=torch.channels_last)
     y = torch.tensor([0, 3, 5, 7])
-    config = GuardConfig(pixel_mean=MEAN, pixel_std=STD, seed=3, clip_per_sample="median", max_excluded=0.25,
-                         max_rel_noise=40.0, rtol=1e-2)
+    config = GuardConfig(defense=defense, pixel_mean=MEAN, pixel_std=STD, seed=3, clip_per_sample="median",
+                         max_excluded=0.25, max_rel_noise=40.0, rtol=1e-2)
     model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.CrossEntropyLoss(),
                                                config)
     optimizer.zero_grad()

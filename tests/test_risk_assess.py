@@ -152,14 +152,17 @@ def test_gaussian_closed_form_matches_monte_carlo():
     torch.testing.assert_close(rep.i2f, dense, rtol=1e-2, atol=0)
 
 
-@pytest.mark.parametrize("name,coupled", [("conv", False), ("conv", True), ("batchnorm-train", True)])
-def test_operator_products_equal_dense_jacobian_products(name, coupled):
-    """J_iᵀu and J_i v with several vectors per sample, called repeatedly (the products reuse one
-    cached pullback), against the dense autograd Jacobian."""
+@pytest.mark.parametrize("name,coupled,products", [("conv", False, "cached"), ("conv", False, "direct"),
+                                                   ("conv", True, "auto"), ("batchnorm-train", True, "auto")])
+def test_operator_products_equal_dense_jacobian_products(name, coupled, products):
+    """J_iᵀu and J_i v with several vectors per sample, called repeatedly (the cached path reuses one
+    pullback; the direct path, for large B·dθ, recomputes per sample in chunks), against the dense
+    autograd Jacobian."""
     model, x, y = _problem(name, 3)
     jac, _ = dense_jacobians(model, x, y)
-    op = JacobianOperator(model, x, y, coupled=coupled)
-    assert op.coupled == coupled
+    op = JacobianOperator(model, x, y, coupled=coupled, products=products)
+    assert op.coupled == coupled and op.direct == (products == "direct")
+    op.sample_chunk = 2  # two chunks of samples (1 + 2 would hide a chunk boundary bug in one call)
     for _ in range(2):
         u = torch.randn(3, 4, op.dx, dtype=x.dtype)
         v = torch.randn(3, 2, op.dtheta, dtype=x.dtype)
@@ -169,17 +172,35 @@ def test_operator_products_equal_dense_jacobian_products(name, coupled):
 
 
 @pytest.mark.parametrize("after_a_product", [False, True])
-def test_per_sample_gradients_match_one_backward_per_sample(after_a_product):
-    """The per-sample path reads them off the J pullback's primal output: equal to a loop of
-    autograd calls on each sample's own loss, whether or not a J product built the pullback first."""
+@pytest.mark.parametrize("products", ["cached", "direct"])
+def test_per_sample_gradients_match_one_backward_per_sample(after_a_product, products):
+    """The cached path reads them off the J pullback's primal output, the direct one vmaps them: equal
+    to a loop of autograd calls on each sample's own loss, whether or not a J product came first."""
     model, x, y = _problem("conv", 3)
-    op = JacobianOperator(model, x, y)
+    op = JacobianOperator(model, x, y, products=products)
     if after_a_product:
         op.j(torch.randn(3, 1, op.dtheta, dtype=x.dtype))
     params = [p for p in model.parameters()]
     loop = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
         nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params)]) for i in range(3)])
     torch.testing.assert_close(op.per_sample_gradients(), loop, rtol=1e-10, atol=1e-12)
+
+
+def test_auto_products_go_direct_above_the_size_limit(monkeypatch):
+    """"auto" keeps the cached pullbacks while B·dθ ≤ CACHED_UP_TO floats, then goes direct in chunks
+    of ⌊CACHED_UP_TO/dθ⌋ samples; both give the dense Jacobian's products."""
+    from flguard.risk import operator
+    model, x, y = _problem("conv", 3)
+    jac, _ = dense_jacobians(model, x, y)
+    dtheta = sum(p.numel() for p in model.parameters())
+    assert not JacobianOperator(model, x, y).direct
+    monkeypatch.setattr(operator, "CACHED_UP_TO", 2 * dtheta)
+    op = JacobianOperator(model, x, y)
+    assert op.direct and op.sample_chunk == 2
+    u = torch.randn(3, 1, op.dx, dtype=x.dtype)
+    torch.testing.assert_close(op.kmv(u), torch.einsum("bdp,bep,bke->bkd", jac, jac, u), rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="products"):
+        JacobianOperator(model, x, y, products="fast")
 
 
 def test_forced_coupled_path_agrees_with_per_sample_path():

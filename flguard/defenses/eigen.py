@@ -18,6 +18,10 @@ from flguard.defenses.base import DefenseContext, Direction
 from flguard.risk.closed_forms import regularised_gain
 from flguard.risk.lanczos import LanczosResult
 
+#: The parameter-space directions J_iᵀu are mapped this many floats at a time (B × vectors × dθ):
+#: 2^26 (256 MB in float32) keeps a ResNet-18's directions to one vector per sample per product.
+MAX_CHUNK_FLOATS = 2 ** 26
+
 
 def _ritz_pairs(ctx: DefenseContext) -> LanczosResult:
     """The guard's spectrum of K_i, which must carry Ritz vectors [B, m, dx] (Lanczos run with
@@ -39,14 +43,16 @@ def eigen_direction(ctx: DefenseContext) -> Direction:
     k = min(cfg.subspace_size, gains.shape[1])
     best = gains.topk(k, dim=1)
     chosen = spectrum.ritz_vectors.gather(1, best.indices.unsqueeze(2).expand(-1, -1, op.dx))  # [B, k, dx]
-    directions = op.jt(chosen)  # [B, k, dθ]; ‖J_iᵀu‖ = √θ for a Ritz pair
-    directions = directions / directions.norm(dim=2, keepdim=True).clamp_min(torch.finfo(directions.dtype).tiny)
-    coefficients = torch.randn(op.batch_size, k, generator=ctx.generator, dtype=directions.dtype,
-                               device=directions.device)
-    per_sample = torch.einsum("bk,bkp->bp", coefficients, directions)
+    coefficients = torch.randn(op.batch_size, k, generator=ctx.generator, dtype=op.dtype, device=op.device)
     estimated = (coefficients * best.values).pow(2).sum(1).sqrt()
     if not bool((estimated > 0).all()):
         raise RuntimeError("eigen defense: a sample's weak directions have no measurable effect on its recovery")
-    combined = (per_sample / estimated.unsqueeze(1)).sum(0)
+    weights = coefficients / estimated.unsqueeze(1)  # each sample's mixture at unit estimated I2F
+    combined = torch.zeros(op.dtheta, dtype=op.dtype, device=op.device)
+    step = max(1, MAX_CHUNK_FLOATS // (op.batch_size * op.dtheta))
+    for start in range(0, k, step):  # [B, step, dθ] at a time: all k at once was 11 GB on ResNet-18 at B = 8
+        directions = op.jt(chosen[:, start:start + step])  # ‖J_iᵀu‖ = √θ for a Ritz pair
+        directions = directions / directions.norm(dim=2, keepdim=True).clamp_min(torch.finfo(directions.dtype).tiny)
+        combined += torch.einsum("bk,bkp->p", weights[:, start:start + step], directions)
     return Direction(combined, {"kind": "eigen", "subspace": k, "best_gain": best.values[:, 0],
                                 "mean_gain": best.values.mean(1)})

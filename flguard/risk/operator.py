@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Literal
 
 import torch
 from torch import nn
@@ -39,6 +39,17 @@ from torch.func import functional_call, grad, jvp, vjp, vmap
 import torch.nn.functional as F
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: The per-sample path's two ways to apply J_i and J_iᵀ. *Cached*: the pullbacks of the batch's
+#: per-sample gradient and input-gradient maps are built at the first product and reused (fastest
+#: where they fit: 1.3–2× the direct products on the quickstart CNN and a ResNet-20, benchmarks/
+#: bench_operator_products.py), but they hold several [B, dθ] tensors and the double-backward graph
+#: of the whole batch (3 GB on a ResNet-18 at B = 8, 10 GB at B = 32). *Direct*: each product is one
+#: forward-over-reverse (Jᵀu) or reverse-of-forward (Jv) pass per sample, ``vmap``-ed over chunks of
+#: samples, nothing kept between products. ``products="auto"`` takes the cached path while B·dθ is at
+#: most this many floats (256 MB in float32), else the direct one in chunks of ⌊CACHED_UP_TO/dθ⌋
+#: samples (a ResNet-18: 5), so memory stops growing with the batch.
+CACHED_UP_TO = 2 ** 26
 
 
 class ProductLimitReached(RuntimeError):
@@ -134,7 +145,7 @@ class JacobianOperator:
 
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,
                  *, coupled: bool | None = None, chunk_size: int | None = None,
-                 limit: ProductLimit | None = None) -> None:
+                 limit: ProductLimit | None = None, products: Literal["auto", "cached", "direct"] = "auto") -> None:
         check_deterministic(model)
         self.model = model
         self.loss_fn = loss_fn or default_loss
@@ -142,7 +153,9 @@ class JacobianOperator:
         if not self.names:
             raise ValueError("the model has no trainable parameters: there is no gradient to leak")
         params = dict(model.named_parameters())
-        self.params = {n: params[n].detach() for n in self.names}
+        # contiguous: a channels-last model's 4-d weights otherwise send adaptive_avg_pool2d's double
+        # backward through an as_strided_ that vmap has no batching rule for (a slow fallback, and a warning)
+        self.params = {n: params[n].detach().contiguous() for n in self.names}
         self.buffers = dict(model.named_buffers())
         # contiguous: the same values, but the products never take channels-last kernels — torch 2.14's CPU
         # float32 weight gradient of a strided 1×1 convolution (a ResNet shortcut) is wrong and varies
@@ -166,6 +179,11 @@ class JacobianOperator:
             raise ValueError("coupled=False needs a per-sample-separable loss (mean or sum reduction) "
                              "and a model without train-mode BatchNorm")
         self.scale = 1.0 if scale is None else scale
+        if products not in ("auto", "cached", "direct"):
+            raise ValueError(f"products={products!r}: choose 'auto', 'cached' or 'direct'")
+        self.direct = not self.coupled and (products == "direct" or (
+            products == "auto" and self.batch_size * self.dtheta > CACHED_UP_TO))
+        self.sample_chunk = max(1, CACHED_UP_TO // self.dtheta)  # samples per direct call
 
     # -- building blocks -------------------------------------------------------------------
     @property
@@ -203,6 +221,8 @@ class JacobianOperator:
         batch, k = self._check(u, self.dx)
         self._charge(batch, k)
         with batchnorm_without_running_stats(self.model):
+            if self.direct:
+                return self.scale * self._per_sample_products(self._jt_one, u)
             if not self.coupled:
                 pullback = self._transpose_pullback()
                 if k == 1:  # one vector per sample (every solver step): no vmap layer (measured 10–25% faster)
@@ -235,6 +255,8 @@ class JacobianOperator:
         """J_i v_i for every sample: v [B, k, dθ] → [B, k, dx]."""
         batch, k = self._check(v, self.dtheta)
         self._charge(batch, k)
+        if self.direct:
+            return self.scale * self._per_sample_products(self._j_one, v)
         pullback = self._pullback()
         with batchnorm_without_running_stats(self.model):
             if not self.coupled:
@@ -248,6 +270,33 @@ class JacobianOperator:
             rows = rows.reshape(batch, k, batch, self.dx)
             idx = torch.arange(batch, device=v.device)
             return rows[idx, :, idx]
+
+    def _jt_one(self, xi: torch.Tensor, yi: torch.Tensor, ui: torch.Tensor) -> torch.Tensor:
+        """Unscaled J̃_iᵀu [dθ] of one sample, forward-over-reverse: the derivative of ∇_θ ℓ(x_i + t·u) at t = 0."""
+        return jvp(lambda z: self._sample_grad(z, yi), (xi,), (ui.reshape(xi.shape),))[1]
+
+    def _j_one(self, xi: torch.Tensor, yi: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Unscaled J̃_i v [dx] of one sample, reverse-of-forward: ∇_x of ℓ's derivative along θ + s·v at s = 0."""
+        tangent, offset = {}, 0
+        for name, p in self.params.items():
+            tangent[name] = v[offset:offset + p.numel()].reshape(p.shape)
+            offset += p.numel()
+
+        def along(z: torch.Tensor) -> torch.Tensor:
+            loss = lambda params: self.loss_fn(self._forward(params, z.unsqueeze(0)), yi.unsqueeze(0))  # noqa: E731
+            return jvp(loss, (self.params,), (tangent,))[1]
+        return grad(along)(xi).reshape(-1)
+
+    def _per_sample_products(self, one: Callable, vectors: torch.Tensor) -> torch.Tensor:
+        """``one(x_i, y_i, w)`` for every sample i and each of its k vectors w, [B, k, ·]: vmap over
+        samples in chunks (``sample_chunk``, divided by k) and, for k > 1, over the vectors."""
+        k = vectors.shape[1]
+        chunk = max(1, self.sample_chunk // k)
+        with batchnorm_without_running_stats(self.model):
+            if k == 1:
+                return vmap(one, chunk_size=chunk)(self.x, self.y, vectors[:, 0]).unsqueeze(1)
+            each = lambda xi, yi, w: vmap(lambda wj: one(xi, yi, wj), chunk_size=self.chunk_size)(w)  # noqa: E731
+            return vmap(each, chunk_size=chunk)(self.x, self.y, vectors)
 
     def _pullback(self) -> Callable:
         """The vjp of the gradient map at this batch, built once: J products reuse its forward and
@@ -289,6 +338,10 @@ class JacobianOperator:
         normalisation statistics when samples are coupled). Per-sample path: the primal output of
         the J pullback, which this builds (``chunk_size`` does not apply to it)."""
         with batchnorm_without_running_stats(self.model):
+            if self.direct:
+                if getattr(self, "_per_sample", None) is None:
+                    self._per_sample = vmap(self._sample_grad, chunk_size=self.sample_chunk)(self.x, self.y).detach()
+                return self._per_sample
             if not self.coupled:
                 self._pullback()  # its primal output is exactly these gradients: built once for both
                 return self._per_sample

@@ -1,0 +1,103 @@
+"""The operator's two product paths by model size: time per product and peak memory, × a training step.
+
+``JacobianOperator`` applies J_i and J_iᵀ either through pullbacks cached at the first product
+(``products="cached"``) or directly per sample, ``vmap``-ed over chunks of samples with nothing kept
+(``products="direct"``); ``"auto"`` switches at B·dθ > ``CACHED_UP_TO`` floats. Each (model, batch, path)
+runs in a child process of its own so that its peak RSS is its own. Printed per row: the median time
+of ``jt`` (one vector per sample), ``j``, ``kmv`` (the solvers' product) and the per-sample gradients, as
+ratios to a training step (forward + backward of the mean loss, same batch), the first ``kmv`` (which
+builds the cached pullbacks), the peak RSS of the process, and ``jt``/``j``.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_operator_products.py
+    OMP_NUM_THREADS=1 python benchmarks/bench_operator_products.py --models resnet18_gn --batch 8,32
+    python benchmarks/bench_operator_products.py --device cuda --models cnn,resnet20_gn,resnet18_gn --batch 32
+
+Models from the zoo with random weights (the products' cost does not depend on training); batches of
+random inputs of the model's data shape. Results: benchmarks/results/bench_operator_products.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import resource
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from _common import study_paths, synchronize, write_table
+
+SHAPES = {"cnn": (1, 28), "resnet8_gn": (3, 32), "resnet20_gn": (3, 32), "resnet18_gn": (3, 32)}
+
+
+def _timed(fn, device: str, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def _measure(name: str, batch: int, products: str, device: str, repeats: int) -> dict:
+    """One (model, batch, path) in this (child) process."""
+    from flguard.models import create
+    from flguard.risk.operator import JacobianOperator
+
+    torch.manual_seed(0)
+    channels, size = SHAPES[name]
+    model = create(name, in_channels=channels, num_classes=10, image_size=size).to(device)
+    x = torch.randn(batch, channels, size, size, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    def train_step() -> None:
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+
+    train = statistics.median(_timed(train_step, device, repeats + 1)[1:])
+    op = JacobianOperator(model, x, y, products=products)
+    u = torch.randn(batch, 1, op.dx, device=device)
+    v = torch.randn(batch, 1, op.dtheta, device=device)
+    first = _timed(lambda: op.kmv(u), device, 1)[0]
+    times = {kind: statistics.median(_timed(fn, device, repeats)) for kind, fn in
+             (("kmv", lambda: op.kmv(u)), ("jt", lambda: op.jt(u)), ("j", lambda: op.j(v)))}
+    fresh = JacobianOperator(model, x, y, products=products)
+    grads = _timed(fresh.per_sample_gradients, device, 1)[0]
+    peak = (torch.cuda.max_memory_allocated(device) / 2**30 if torch.device(device).type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+    return dict(model=name, params=op.dtheta, B=batch, products=products, path="direct" if op.direct else "cached",
+                device=device, train_ms=1000 * train, kmv=times["kmv"] / train, first_kmv=first / train,
+                jt=times["jt"] / train, j=times["j"] / train, jt_over_j=times["jt"] / times["j"],
+                per_sample_grads=grads / train, peak_gb=peak)
+
+
+def _in_child(*args) -> dict:
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_measure, args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="cnn,resnet20_gn,resnet18_gn")
+    parser.add_argument("--batch", default="8,32", help="batch sizes, comma-separated")
+    parser.add_argument("--paths", default="cached,direct,auto", help="product paths, comma-separated")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rows = []
+    for name in args.models.split(","):
+        for batch in (int(b) for b in args.batch.split(",")):
+            for products in args.paths.split(","):
+                row = _in_child(name, batch, products, args.device, args.repeats)
+                rows.append(row)
+                print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    _, table = study_paths("bench_operator_products")
+    print(write_table(rows, table))
+
+
+if __name__ == "__main__":
+    main()

@@ -11,9 +11,9 @@ reads for it:
   the failure policy ``on_unmet``/``acknowledge_unguarded``/``max_rel_noise`` and ``seed``: the guard
   measures every defense's noise against τ (a baseline is sent anyway and reported with
   ``guard_met``), clips for every defense, and applies ``on_unmet`` to any defense that fails;
-* ``gaussian`` and ``eigen`` (``ThresholdGuardConfig``): ``input_bounds``, the box in which the
-  floor they *promise* is verified;
-* ``eigen``: ``subspace_size``, ``krylov_steps``, ``gaussian_floor``; ``fixed-gaussian``: ``sigma``;
+* ``auto`` (the default), ``gaussian`` and ``eigen`` (``ThresholdGuardConfig``): ``input_bounds``,
+  the box in which the floor they *promise* is verified;
+* ``eigen`` and ``auto`` (which falls back on eigen): ``subspace_size``, ``krylov_steps``, ``gaussian_floor``; ``fixed-gaussian``: ``sigma``;
   ``pruning``: ``keep_ratio``; ``localdp``: Flower's LocalDpMod arguments ``clipping_norm``,
   ``sensitivity``, ``epsilon``, ``delta`` (``LocalDpConfig``, shared with ``flguard.flower.dp``).
 
@@ -34,9 +34,11 @@ from flguard.config import ConfigError, StrictModel
 from flguard.defenses.baselines import gaussian_mechanism_std
 from flguard.risk.defaults import DEFAULT_EPS_RELATIVE
 
-DEFENSES = ("none", "gaussian", "eigen", "fixed-gaussian", "pruning", "localdp")
+DEFENSES = ("none", "auto", "gaussian", "eigen", "fixed-gaussian", "pruning", "localdp")
+#: The defense of ``GuardConfig()``: see AutoGuardConfig.
+DEFAULT_DEFENSE = "auto"
 #: Defenses that promise a per-sample floor (the others are baselines reported honestly).
-THRESHOLD_DEFENSES = ("gaussian", "eigen")
+THRESHOLD_DEFENSES = ("auto", "gaussian", "eigen")
 #: The default floor, in pixel PSNR (dB): chosen from ``benchmarks/study_floor.py`` (docs/results.md,
 #: "The default floor"): on MNIST digits a reconstruction 15 dB from the truth is at the edge of
 #: recognisable for smooth or faded errors (the trained CNN reads 63–81% of them, SSIM ≤ 0.57) and
@@ -137,7 +139,8 @@ class LocalDpConfig(StrictModel):
 
 class GuardConfig(StrictModel):
     """Guard settings common to every defense; ``GuardConfig(defense=..., ...)`` returns the
-    defense's own subclass (``defense`` defaults to ``"gaussian"``).
+    defense's own subclass (``defense`` defaults to ``"auto"``: the calibrated Gaussian, eigen's aimed
+    noise on a step where the Gaussian would exceed the budget).
 
     ``min_rmse`` (τ) is the floor on each sample's predicted recovery RMSE, in the model's input
     units: for inputs normalised as (pixel − mean)/std, a pixel-space RMSE r is ``r / std``. The
@@ -161,7 +164,7 @@ class GuardConfig(StrictModel):
     defense does not take is an error, as in the constructor.
     """
 
-    defense: Literal["none", "gaussian", "eigen", "fixed-gaussian", "pruning", "localdp"] = "gaussian"
+    defense: Literal["none", "auto", "gaussian", "eigen", "fixed-gaussian", "pruning", "localdp"] = DEFAULT_DEFENSE
     min_rmse: float | None = Field(None, ge=0.0, description="τ: per-sample floor on predicted RMSE (model-input "
                                    f"units); None: from max_psnr, else {DEFAULT_MAX_PSNR:g} dB ({DEFAULT_MIN_RMSE:.3g} "
                                    "for raw pixels)")
@@ -191,7 +194,7 @@ class GuardConfig(StrictModel):
 
     def __new__(cls, *args: Any, **data: Any) -> "GuardConfig":
         if cls in (GuardConfig, ThresholdGuardConfig):  # pick the defense's model; an unknown or unfitting
-            defense = data.get("defense", "gaussian")  # defense stays here and fails in validation
+            defense = data.get("defense", DEFAULT_DEFENSE)  # defense stays here and fails in validation
             model = DEFENSE_MODELS.get(defense) if isinstance(defense, str) else None
             cls = model if model is not None and issubclass(model, cls) else cls
         return super().__new__(cls)
@@ -287,7 +290,7 @@ class ThresholdGuardConfig(GuardConfig):
     others are guarded as usual (``flguard.guard_exclusion``); beyond it, ``on_unmet`` applies.
     """
 
-    defense: Literal["gaussian", "eigen"] = "gaussian"
+    defense: Literal["auto", "gaussian", "eigen"] = DEFAULT_DEFENSE
     # the defaults that send on trained models (see DEFAULT_CLIP); the baselines keep no clipping, a
     # budget relative to ‖gradient‖ and rtol 1e-3, so "none" stays the unmodified update
     clip_per_sample: float | Literal["median"] | None = Field(
@@ -345,6 +348,13 @@ class EigenGuardConfig(ThresholdGuardConfig):
                                   "noise part must meet on its own (robustness to subspace-aware attackers)")
 
 
+class AutoGuardConfig(EigenGuardConfig):
+    """``auto`` (the default): the calibrated Gaussian, and eigen's aimed noise (its fields) on a step
+    where the Gaussian would need more than the budget (``flguard.guard.AUTO_ORDER``)."""
+
+    defense: Literal["auto"] = "auto"
+
+
 class NoneGuardConfig(GuardConfig):
     """``none``: the gradient unchanged, its (absent) protection measured against τ."""
 
@@ -374,12 +384,12 @@ class LocalDpGuardConfig(LocalDpConfig, GuardConfig):
 
 #: Each defense's model; ``GuardConfig(defense=d)`` builds ``DEFENSE_MODELS[d]``.
 DEFENSE_MODELS: dict[str, type[GuardConfig]] = {
-    "none": NoneGuardConfig, "gaussian": GaussianGuardConfig, "eigen": EigenGuardConfig,
+    "none": NoneGuardConfig, "auto": AutoGuardConfig, "gaussian": GaussianGuardConfig, "eigen": EigenGuardConfig,
     "fixed-gaussian": FixedGaussianGuardConfig, "pruning": PruningGuardConfig, "localdp": LocalDpGuardConfig}
 assert tuple(DEFENSE_MODELS) == DEFENSES
 
 #: The same choice as a pydantic field type, discriminated on ``defense``.
-AnyGuardConfig = Annotated[Union[NoneGuardConfig, GaussianGuardConfig, EigenGuardConfig, FixedGaussianGuardConfig,
+AnyGuardConfig = Annotated[Union[NoneGuardConfig, AutoGuardConfig, GaussianGuardConfig, EigenGuardConfig, FixedGaussianGuardConfig,
                                  PruningGuardConfig, LocalDpGuardConfig], Field(discriminator="defense")]
 
 
@@ -406,5 +416,5 @@ def all_guard_fields() -> tuple[str, ...]:
 
 def parse_guard_config(data: Mapping[str, Any]) -> GuardConfig:
     """The defense's config from a mapping (TOML table, run-config values); ``defense`` defaults to
-    ``"gaussian"``. Errors (ConfigError) name the field."""
+    ``"auto"``. Errors (ConfigError) name the field."""
     return GuardConfig(**dict(data))

@@ -65,6 +65,27 @@ def test_eigen_needs_less_noise_than_gaussian_and_nears_the_single_direction_lim
     assert ratio <= 3.0 * limit * batch**0.5, (ratio, limit)
 
 
+def test_auto_sends_the_gaussian_within_budget_and_aimed_noise_beyond_it():
+    """``auto``: with a budget the calibrated Gaussian fits, the Gaussian's exact update; with one between
+    eigen's need and the Gaussian's, eigen's noise, meeting the floor under dense recomputation."""
+    model, x, y, jac, g = _problem(3)
+    gauss = Guard(unclipped(defense="gaussian", min_rmse=TAU, seed=3)).protect(model, x, y, g)
+    wide = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3)).protect(model, x, y, g)
+    assert wide.report.met and wide.report.details["defense_used"] == "gaussian"
+    torch.testing.assert_close(wide.gradient, gauss.gradient)  # the same draw from the same seeded stream
+    eigen = Guard(unclipped(defense="eigen", min_rmse=TAU, seed=3)).protect(model, x, y, g).report
+    assert eigen.rel_noise < 0.6 * gauss.report.rel_noise
+    budget = (eigen.rel_noise * gauss.report.rel_noise) ** 0.5  # between the two needs
+    out = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3, max_rel_noise=budget)).protect(model, x, y, g)
+    assert out.report.met and out.report.details["defense_used"] == "eigen" and out.report.defense == "auto"
+    delta = out.gradient - g
+    assert float(delta.norm()) <= budget * float(g.norm())
+    assert torch.all(_dense_rmse(jac, delta, out.report.eps) >= TAU)
+    tight = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3, max_rel_noise=0.3 * eigen.rel_noise)).protect(
+        model, x, y, g)
+    assert tight.gradient is None and "gaussian: " in tight.report.reason and "eigen: " in tight.report.reason
+
+
 def test_seeds_reproduce_and_os_entropy_differs():
     model, x, y, _, g = _problem(2)
     first = Guard(unclipped(defense="eigen", seed=7)).protect(model, x, y, g).gradient

@@ -28,6 +28,7 @@ OWN = {
     "none": {},
     "gaussian": {"input_bounds": "batch"},
     "eigen": {"input_bounds": (-1.0, 2.0), "subspace_size": 4, "krylov_steps": 8, "gaussian_floor": 0.5},
+    "auto": {"input_bounds": "batch", "subspace_size": 8, "krylov_steps": 16},
     "fixed-gaussian": {"sigma": 0.3},
     "pruning": {"keep_ratio": 0.25},
     "localdp": {"clipping_norm": 5.0, "sensitivity": 2.0, "epsilon": 700.0, "delta": 1e-6},
@@ -46,11 +47,12 @@ def test_each_defense_takes_its_own_fields(defense):
     assert type(config) is DEFENSE_MODELS[defense] and isinstance(config, GuardConfig)
     assert config.defense == defense and config.floor == 0.2
     assert {name: getattr(config, name) for name in OWN[defense]} == OWN[defense]
-    assert isinstance(config, ThresholdGuardConfig) == (defense in ("gaussian", "eigen"))
+    assert isinstance(config, ThresholdGuardConfig) == (defense in ("auto", "gaussian", "eigen"))
 
 
-def test_the_default_is_gaussian_and_subclasses_build_directly():
-    assert GuardConfig().defense == "gaussian" and GuardConfig().bounds is None
+def test_the_default_is_auto_and_subclasses_build_directly():
+    assert GuardConfig().defense == "auto" and GuardConfig().bounds is None
+    assert GuardConfig().subspace_size == GuardConfig(defense="eigen").subspace_size  # auto falls back on eigen
     assert EigenGuardConfig(subspace_size=4) == GuardConfig(defense="eigen", subspace_size=4)
 
 
@@ -67,7 +69,7 @@ def test_eigen_with_sigma_says_whose_field_it_is():
     with pytest.raises(ConfigError, match=r"sigma does not apply to defense='eigen' \(it is a field of "
                                           r"'fixed-gaussian'\)"):
         GuardConfig(defense="eigen", sigma=0.1)
-    with pytest.raises(ConfigError, match=r"GaussianGuardConfig.sigmaa: .*unknown field"):  # a typo stays a typo
+    with pytest.raises(ConfigError, match=r"AutoGuardConfig.sigmaa: .*unknown field"):  # a typo stays a typo
         GuardConfig(sigmaa=0.1)
 
 

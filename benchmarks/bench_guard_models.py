@@ -75,7 +75,7 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
         config = GuardConfig(pixel_mean=data.mean, pixel_std=data.std, **settings)
         model, optimizer, criterion = make_guarded(model, optimizer, criterion, config)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed + 1))[:steps * batch]
-    seconds, sent, left_out, products, reasons = [], 0, 0, [], []
+    seconds, sent, left_out, products, reasons, used = [], 0, 0, [], [], {}
     for idx in order.split(batch):
         synchronize(device)
         start = time.perf_counter()
@@ -92,8 +92,11 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
             report = optimizer.guard_reports[-1]
             products.append(report.matvecs)
             left_out += int(report.details.get("excluded", 0)) if report.met else 0
+            kind = report.details.get("defense_used", config.defense) if report.met else "withheld"
+            used[kind] = used.get(kind, 0) + 1
     return dict(ms=1000 * statistics.median(seconds), sent=sent, left_out=left_out,
                 products=statistics.median(products) if products else 0.0, reasons=reasons,
+                used=" ".join(f"{kind}:{count}" for kind, count in sorted(used.items())),
                 rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                 acc_before=before, acc_after=_accuracy(model, *test),
                 params=sum(p.numel() for p in model.parameters()))
@@ -130,7 +133,7 @@ def main() -> None:
             guard = _in_child(name, batch, args.steps, args.train_steps, True, args.device, args.seed, settings)
             row = dict(model=name, guard=" ".join(args.guard) or "defaults", params=plain["params"], B=batch, steps=args.steps, device=args.device,
                        train_ms=plain["ms"], guard_ms=guard["ms"], ratio=guard["ms"] / plain["ms"],
-                       products=guard["products"], sent=f"{guard['sent']}/{args.steps}",
+                       products=guard["products"], sent=f"{guard['sent']}/{args.steps}", used=guard["used"],
                        left_out=guard["left_out"], rss_train_gb=plain["rss_gb"], rss_guard_gb=guard["rss_gb"],
                        acc_before=plain["acc_before"], acc_train=plain["acc_after"], acc_guard=guard["acc_after"])
             rows.append(row)

@@ -108,7 +108,7 @@ class Guard:
                 self._clip = op.clip
             outcome = self._perturb(op, flat)
         except Exception as error:  # fail closed on anything, with the reason in the report
-            reason = str(error) if isinstance(error, GuardFailure) else f"{type(error).__name__}: {error}"
+            reason = _dead_network(op, self._generator(x.device)) or _reason(error)
             return self._failed(gradient, batch, reason, op, start)
         report = GuardReport(
             rmse_after=outcome.rmse_after.cpu(), rmse_lb_after=outcome.rmse_lb_after.cpu(),
@@ -175,9 +175,9 @@ class Guard:
         for kind in AUTO_ORDER:
             try:
                 outcome = self._perturb(op, flat, kind)
-            except GuardFailure as failure:
+            except Exception as failure:  # the next kind may still certify; every kind verifies its own floor
                 outcome = None
-                reasons.append(f"{kind}: {failure}")
+                reasons.append(f"{kind}: {_reason(failure)}")
                 continue
             outcome.info["defense_used"] = kind
             if outcome.met:
@@ -345,6 +345,35 @@ class Guard:
             report.seconds = time.perf_counter() - start
             return GuardOutput(None, report)
         return self._apply_policy(gradient.reshape(-1) if finite else gradient, gradient, report, start)
+
+
+def _reason(error: Exception) -> str:
+    """A failure as the reply's reason: a GuardFailure's message, anything else with its type."""
+    return str(error) if isinstance(error, GuardFailure) else f"{type(error).__name__}: {error}"
+
+
+#: The reason's prefix when the parameters the server sent leave nothing to certify (denial of service).
+SUSPICIOUS = "suspicious parameters"
+
+
+def _dead_network(op: Jacobian | None, generator: torch.Generator) -> str | None:
+    """The reason for a server-made dead network, or None: after a failed step, one product J·z on a
+    random parameter direction z — zero for every sample (almost surely only if every J_i = 0) means
+    the inputs do not move the gradient at all, e.g. a layer whose ReLUs the server's biases killed.
+    Nothing of the images leaks then (the update holds only label terms), but no floor can be
+    certified either: the reply says so, instead of a solver's failure round after round."""
+    if op is None:
+        return None
+    try:
+        probe = torch.randn(op.dtheta, generator=generator, device=op.device, dtype=op.dtype)
+        moved = jacobian_product(op, probe).norm(dim=1)
+    except Exception:  # the step's limit, or the failure itself: keep the original reason
+        return None
+    if bool((moved > 0).any()):
+        return None
+    return (f"{SUSPICIOUS}: no sample's input moves its gradient (every per-sample Jacobian is zero: a dead "
+            "network, e.g. biases that switch a layer's ReLUs off); nothing can be certified, so the client "
+            "withholds — a server that sends such parameters is denying service")
 
 
 def _checked_solve(shift: torch.Tensor, jd: torch.Tensor, converged: torch.Tensor,

@@ -7,6 +7,8 @@ nor the attacks. One concept per module:
 
 - ``strategy``: ``MaliciousServer``, a Flower 1.41 ``Strategy`` wrapper that delegates every
   decision to the wrapped strategy and only captures the chosen clients' uploads;
+- ``fishing``: the parameter moves (``fish_class``, ``fish_feature``) that make a batch gradient carry
+  one class's samples, ``count_targets`` and ``attack_fished`` (Wen et al. 2022);
 - ``victims``: whom to attack (target selectors, honest real uploads) and the victim config;
 - ``uploads``: what an attack is (``AttackSpec``, ``UploadAttack``) and how an upload decodes
   (``delta_to_gradient``, ``ClientUpdate``);
@@ -16,6 +18,7 @@ nor the attacks. One concept per module:
 - ``truth``: ``TruthReader``, the server half of the simulation-only true-batch channel.
 """
 
+from flguard.server.fishing import FISHING_KINDS, attack_fished, count_targets, fish_class, fish_feature
 from flguard.server.results import ROW_FIELDS, ResultWriter, save_grid
 from flguard.server.runner import AttackRunner, CapturedUpload
 from flguard.server.scoring import Scorer, score_batch
@@ -27,6 +30,11 @@ from flguard.server.victims import TargetSelector, every_client, first_clients, 
 
 __all__ = [
     "MaliciousServer",
+    "FISHING_KINDS",
+    "fish_class",
+    "fish_feature",
+    "count_targets",
+    "attack_fished",
     "AttackSpec",
     "UploadAttack",
     "ClientUpdate",

@@ -218,3 +218,45 @@ def test_client_import_path_loads_no_server_code() -> None:
     import flguard.flower
 
     assert not {"MaliciousServer", "AttackSpec", "TruthReader", "score_batch"} & set(flguard.flower.__all__)
+
+
+def test_fished_replies_are_attacked_and_never_aggregated(tmp_path: Path, simulation_apps) -> None:
+    """3 clients × 2 rounds, one passive target and one fished client per round: the fished client's
+    one-step upload becomes a 'fishing' row (class fished, targets counted, scored against that
+    class's samples), and its reply is not among what FedAvg aggregated that round."""
+    from flwr.simulation import run_simulation
+
+    make_client_app, make_server_app = simulation_apps
+    out_dir, truth_dir = tmp_path / "results", tmp_path / "truth"
+    overrides = {"num-server-rounds": 2, "batch-size": 8, "local-steps": 3, "lr": 0.1, "init": "uniform",
+                 "attack-method": "dlg", "attack-iterations": 2, "attack-restarts": 1, "round-timeout": 600.0,
+                 "attack-targets": 1, "attack-fishing": "class", "min-nodes": 3,
+                 "out-dir": str(out_dir), TRUTH_DIR_KEY: str(truth_dir)}
+    try:
+        run_simulation(server_app=make_server_app(overrides), client_app=make_client_app(overrides), num_supernodes=3,
+                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                       "init_args": {"num_cpus": 2}})
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+
+    rows = [json.loads(line) for line in (out_dir / "attacks.jsonl").read_text().splitlines()]
+    fished = [row for row in rows if row["attack_target"] == "fishing"]
+    passive = [row for row in rows if row["attack_target"] != "fishing"]
+    assert len(fished) == 2 and len(passive) == 2, [(r["round"], r["attack_target"]) for r in rows]
+    summary = json.loads((out_dir / "summary.json").read_text())
+    for row in fished:
+        assert row["status"] == "ok", row["error"]
+        assert row["fished_class"] == row["round"] - 1 and row["local_steps"] == 1 and row["batch_size"] == 8
+        true_labels = [int(v) for v in row["true_labels"].split()] if row["true_labels"] else None
+        assert row["true_targets"] is not None and row["targets"] == max(1, row["true_targets"])
+        if row["true_targets"] > 0:
+            assert row["scored"] and true_labels == [row["fished_class"]] * row["true_targets"]
+        aggregated = summary["train_replies"][str(row["round"])]
+        assert str(row["node_id"]) not in aggregated and len(aggregated) == 2
+        assert str(row["node_id"]) in summary["fished_replies"][str(row["round"])]
+    for round_ in (1, 2):
+        assert {r["node_id"] for r in fished if r["round"] == round_}.isdisjoint(
+            {r["node_id"] for r in passive if r["round"] == round_})

@@ -71,6 +71,8 @@ class ServerSettings:
     attack_blocking: bool = False
     victim_batch_size: int = 0  # >0: the server asks its targets for this batch size (it sends the train config)
     victim_local_steps: int = 0  # >0: ... and this many local steps
+    attack_fishing: str = "none"  # "class": fish clients beside the probes (flguard.server.fishing)
+    attack_fishing_clients: int = 1  # ... this many per round (one local step at their batch size)
     out_dir: str = "malicious-server"
     sim_truth_dir: str = ""
 
@@ -245,7 +247,7 @@ def build_strategy(settings: ServerSettings, task_settings: task.TaskSettings, *
                                       min_available_nodes=settings.min_nodes)
     if not settings.malicious:
         return strategy
-    from flguard.server import MaliciousServer, upload_attack_from_config
+    from flguard.server import Fishing, MaliciousServer, upload_attack_from_config
 
     dataset = task.load_dataset(task_settings.dataset)
     specs = attack_specs(settings, attack_hyperparameters(config or {}), seed=task_settings.seed)
@@ -261,6 +263,8 @@ def build_strategy(settings: ServerSettings, task_settings: task.TaskSettings, *
                            blocking=settings.attack_blocking, normalization=(dataset.mean, dataset.std),
                            victim_config=_victim_config(settings), device=device,
                            upload_attack=upload_attack_from_config(config or {}),
+                           fishing=None if settings.attack_fishing in ("", "none") else
+                           Fishing(kind=settings.attack_fishing, clients=settings.attack_fishing_clients),
                            on_row=(lambda row: on_event("attack", row)) if on_event else None)
 
 
@@ -289,6 +293,7 @@ def run_server(grid: Grid, context: Context, overrides: Mapping[str, Any] | None
                    "task": asdict(task_settings), "partitions": partitions,
                    "train_metrics": {r: dict(m) for r, m in result.train_metrics_clientapp.items()},
                    "train_replies": logged.train_replies, "evaluate_replies": logged.evaluate_replies,
+                   "fished_replies": strategy.fished_replies,
                    "evaluate_metrics": {r: dict(m) for r, m in result.evaluate_metrics_clientapp.items()}}
         strategy.out_dir.mkdir(parents=True, exist_ok=True)
         (strategy.out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str))

@@ -26,10 +26,11 @@ from flguard.server.strategy import MaliciousServer
 from flguard.server.truth import TrueBatch, TruthReader
 from flguard.server.uploads import (PROBE, UPLOAD, AttackSpec, ClientUpdate, UploadAttack, delta_to_gradient,
                                     upload_attack_from_config)
-from flguard.server.victims import TargetSelector, every_client, first_clients, honest_targets
+from flguard.server.victims import Fishing, TargetSelector, every_client, first_clients, honest_targets
 
 __all__ = [
     "MaliciousServer",
+    "Fishing",
     "FISHING_KINDS",
     "fish_class",
     "fish_feature",

@@ -25,13 +25,14 @@ import torch
 from flguard.server.truth import TrueBatch
 
 # Columns of attacks.csv (attacks.jsonl rows carry the same keys).
-# ``attack_target``: "probe" (an upload the server asked its victim for, e.g. one-sample FedSGD) or
+# ``attack_target``: "fishing" (a one-step upload of a model the server fished: ``fished_class``, the
+# ``targets`` it counted, the ``true_targets`` in the batch), "probe" (an upload the server asked its victim for, e.g. one-sample FedSGD) or
 # "fedavg-upload" (an honest client's real upload under the task's own train config).
 # ``rmse_input_samples``: every sample's RMSE in input units (space-separated), for the promise.
 ROW_FIELDS = ("round", "node_id", "partition_id", "attack", "method", "attack_target", "batch_size", "local_steps",
               "lr", "iterations", "restarts", "labels_from", "scored", "psnr", "ssim", "mse", "rmse", "rmse_input",
               "rmse_input_samples", "lpips", "label_accuracy", "loss", "seconds", "status", "error", "image", "tensors",
-              "true_labels")
+              "true_labels", "fished_class", "targets", "true_targets")
 
 
 def save_grid(rows: Sequence[torch.Tensor], path: str | Path, min_side: int = 96) -> Path:

@@ -20,12 +20,13 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
+from flguard.attacks.base import Reconstruction
 from flguard.server.results import ResultWriter
 from flguard.server.scoring import Scorer, finite_or_none
 from flguard.server.truth import TrueBatch
@@ -44,7 +45,8 @@ class CapturedUpload:
     after: Mapping[str, torch.Tensor]  # θK, the model uploaded
     config: Mapping[str, Any]  # the train config sent (lr, local steps, batch size)
     truth: TrueBatch | None = None  # simulation only: the batch the client trained on, for scoring
-    target: str = PROBE  # the row's attack_target: PROBE or UPLOAD
+    target: str = PROBE  # the row's attack_target: PROBE, UPLOAD or FISHED
+    fished_class: int | None = None  # FISHED: the class the model sent was fished for
 
 
 class AttackRunner:
@@ -132,13 +134,16 @@ class AttackRunner:
             use_truth = spec.labels == "true" and truth is not None
             row["labels_from"] = "true" if use_truth else "recovered"
             target, extra = self.attack_inputs(spec, update)
-            rec = reconstruct(model, target, self.input_shape, method=spec.method,
-                              labels=truth.labels if use_truth else None, batch_size=update.batch_size,
-                              iterations=spec.iterations, restarts=spec.restarts, device=self.device, seed=spec.seed,
-                              **extra)
+            if upload.fished_class is not None:
+                rec, truth = self._attack_fished(model, update, upload, spec, extra, row)
+            else:
+                rec = reconstruct(model, target, self.input_shape, method=spec.method,
+                                  labels=truth.labels if use_truth else None, batch_size=update.batch_size,
+                                  iterations=spec.iterations, restarts=spec.restarts, device=self.device,
+                                  seed=spec.seed, **extra)
             row["loss"] = finite_or_none(float(rec.loss))
             images = rec.images.detach().cpu()
-            if truth is not None:
+            if truth is not None and truth.labels.numel() == images.shape[0]:
                 scores = self.scorer.score(truth, images, rec.labels)
                 images = images[scores.pop("permutation")]  # in the true batch's order
                 row.update(scores, scored=True)
@@ -149,6 +154,24 @@ class AttackRunner:
             row.update(status="error", error=f"{type(error).__name__}: {error}")
         row["seconds"] = time.perf_counter() - started
         return self.writer.append(row)
+
+    def _attack_fished(self, model: nn.Module, update: ClientUpdate, upload: CapturedUpload, spec: AttackSpec,
+                       extra: dict[str, Any], row: dict[str, Any]) -> tuple[Reconstruction, TrueBatch | None]:
+        """``attack_fished`` on a fished upload, and the truth it is scored against: the batch's samples
+        of the fished class (the count comes from the upload, never from the truth; a batch whose
+        count the server misread is not scored)."""
+        from flguard.server.fishing import attack_fished
+
+        target = int(upload.fished_class)
+        rec = attack_fished(model, update, target, self.input_shape, method=spec.method, iterations=spec.iterations,
+                            restarts=spec.restarts, device=self.device, seed=spec.seed, **extra)
+        row.update(fished_class=target, targets=rec.extra["targets"])
+        truth = upload.truth
+        if truth is None:
+            return rec, None
+        mask = truth.labels.view(-1) == target
+        row["true_targets"] = int(mask.sum())
+        return rec, replace(truth, inputs=truth.inputs[mask], labels=truth.labels.view(-1)[mask])
 
     def attack_inputs(self, spec: AttackSpec, update: ClientUpdate) -> tuple[list[torch.Tensor], dict[str, Any]]:
         """The target and hyperparameters for ``reconstruct``: the normalisation where the method

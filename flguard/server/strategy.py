@@ -45,8 +45,11 @@ from flguard.server.results import ResultWriter
 from flguard.server.runner import AttackRunner, CapturedUpload
 from flguard.server.scoring import Scorer
 from flguard.server.truth import TrueBatch, TruthReader
-from flguard.server.uploads import PROBE, UPLOAD, AttackSpec, UpdateDecoder, UploadAttack, delta_to_gradient, state_of
-from flguard.server.victims import TargetSelector, honest_targets, selector, with_victim_config
+from flguard.flower.task import LOCAL_STEPS_KEY
+from flguard.server.fishing import fish_class, last_linear
+from flguard.server.uploads import (FISHED, PROBE, UPLOAD, AttackSpec, UpdateDecoder, UploadAttack, delta_to_gradient,
+                                    state_of)
+from flguard.server.victims import Fishing, TargetSelector, fishing_victims, honest_targets, selector, with_victim_config
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ class MaliciousServer(Strategy):
                  truth_dir: str | Path | None = None, blocking: bool = False, save_images: bool = True,
                  device: str | torch.device | None = None, victim_config: Mapping[str, Any] | None = None,
                  on_row: Callable[[dict[str, Any]], None] | None = None,
-                 upload_attack: UploadAttack | None = None) -> None:
+                 upload_attack: UploadAttack | None = None, fishing: Fishing | None = None) -> None:
         if not attacks:
             raise ValueError("MaliciousServer needs at least one AttackSpec")
         self.strategy = strategy
@@ -84,7 +87,11 @@ class MaliciousServer(Strategy):
                                    blocking=blocking,
                                    upload_attack=upload_attack if upload_attack is not None and upload_attack.clients > 0
                                    else None)
+        self.fishing = fishing
         self._victims: dict[int, set[int]] = {}
+        self._fished: dict[int, dict[int, int]] = {}  # round -> {node id: the class its model was fished for}
+        # round -> {node id: the fished reply's metrics (e.g. the guard's), or its error}: not aggregated
+        self.fished_replies: dict[int, dict[int, dict[str, Any]]] = {}
         self._sent: dict[int, dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]] = {}
         self._reader: TruthReader | None = None
         self._truth_checked = False
@@ -122,11 +129,19 @@ class MaliciousServer(Strategy):
             except TruthChannelRefused as refusal:  # deployment: attack anyway, just without scores
                 log.warning("true-batch channel off: %s", refusal)
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        nodes = [m.metadata.dst_node_id for m in messages]
+        attacked = set(self.select(server_round, nodes))
         if self.victim_config:
-            self._victims[server_round] = set(self.select(server_round, [m.metadata.dst_node_id for m in messages]))
+            self._victims[server_round] = attacked
             for message in messages:
-                if message.metadata.dst_node_id in self._victims[server_round]:
+                if message.metadata.dst_node_id in attacked:
                     message.content = with_victim_config(message.content, self.victim_config)
+        if self.fishing is not None and (self.rounds is None or server_round in self.rounds):
+            fished = fishing_victims(self.select, self.fishing, server_round, [n for n in nodes if n not in attacked])
+            self._fished[server_round] = {}
+            for message in messages:
+                if message.metadata.dst_node_id in fished:
+                    self._fish(server_round, message, arrays)
         states: dict[int, dict[str, torch.Tensor]] = {}
         sent: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
         for message in messages:
@@ -143,9 +158,16 @@ class MaliciousServer(Strategy):
         """Capture the chosen uploads for the runner, then let the wrapped strategy aggregate them as they are."""
         replies = list(replies)
         sent = self._sent.pop(server_round, {})
+        fished = self._fished.pop(server_round, {})
         if self.rounds is None or server_round in self.rounds:
             usable = {r.metadata.src_node_id: r for r in replies
                       if not r.has_error() and len(r.content.array_records) == 1 and r.metadata.src_node_id in sent}
+            self.fished_replies[server_round] = {r.metadata.src_node_id: _metrics_of(r) for r in replies
+                                                 if r.metadata.src_node_id in fished}
+            for node_id, target in sorted(fished.items()):
+                if node_id in usable:
+                    self.runner.submit(self._capture(server_round, usable.pop(node_id), *sent[node_id], target=FISHED,
+                                                     fished_class=target))
             victims = self._victims.pop(server_round, None)
             chosen = self.select(server_round, list(usable)) if victims is None else sorted(victims & set(usable))
             for node_id in chosen:
@@ -155,7 +177,8 @@ class MaliciousServer(Strategy):
             for node_id in honest_targets(self.select, self.runner.upload_attack, server_round, others):
                 self.runner.submit(self._capture(server_round, usable[node_id], *sent[node_id], target=UPLOAD),
                                    bounded=True)
-        return self.strategy.aggregate_train(server_round, replies)
+        # a fished model's update is the server's own sabotage: the global model never learns from it
+        return self.strategy.aggregate_train(server_round, [r for r in replies if r.metadata.src_node_id not in fished])
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
@@ -194,15 +217,36 @@ class MaliciousServer(Strategy):
         return [self.runner.run(upload, spec) for spec in self.attacks]
 
     def _capture(self, server_round: int, reply: Message, before: dict[str, torch.Tensor],
-                 config: dict[str, Any], *, target: str) -> CapturedUpload:
+                 config: dict[str, Any], *, target: str, fished_class: int | None = None) -> CapturedUpload:
         """The upload in ``reply`` with what the server knows about it (and, in simulation, its truth)."""
         node_id = reply.metadata.src_node_id
         after = state_of(next(iter(reply.content.array_records.values())))
         truth = self._reader.read(reply.metadata.run_id, server_round, node_id) if self._reader else None
-        return CapturedUpload(server_round, node_id, before, after, config, truth, target)
+        return CapturedUpload(server_round, node_id, before, after, config, truth, target, fished_class)
+
+    def _fish(self, server_round: int, message: Message, arrays: ArrayRecord) -> None:
+        """Send ``message``'s node the model fished for this round's class, and one local step."""
+        assert self.fishing is not None
+        record = next(iter(message.content.array_records.values()), arrays)
+        model = self.runner.model_fn()
+        model.load_state_dict(state_of(record), strict=True)
+        target = self.fishing.target_class(server_round, last_linear(model)[1].out_features)
+        fished = fish_class(model, target, class_multiplier=self.fishing.class_multiplier,
+                            bias_multiplier=self.fishing.bias_multiplier)
+        message.content = with_victim_config(message.content, {LOCAL_STEPS_KEY: 1},
+                                             arrays=ArrayRecord(fished.state_dict()))
+        self._fished[server_round][message.metadata.dst_node_id] = target
 
     def __getattr__(self, name: str) -> Any:
         # Attributes the wrapped strategy exposes (e.g. ``weighted_by_key``) stay reachable.
         if name in ("strategy", "runner", "writer"):
             raise AttributeError(name)
         return getattr(self.strategy, name)
+
+
+def _metrics_of(reply: Message) -> dict[str, Any]:
+    """A reply's metrics (its first MetricRecord), or its error."""
+    if reply.has_error():
+        return {"error": reply.error.reason}
+    record = next(iter(reply.content.metric_records.values()), None)
+    return dict(record) if record is not None else {}

@@ -24,6 +24,8 @@ from flguard.flower.task import BATCH_SIZE_KEY, LOCAL_STEPS_KEY, LR_KEY
 # victim for (e.g. one sample, one FedSGD step) and an honest client's real upload under the task's
 # own train config.
 PROBE, UPLOAD = "probe", "fedavg-upload"
+# The third: a one-step upload of a model the server fished (``flguard.server.fishing``).
+FISHED = "fishing"
 
 
 @dataclass(frozen=True)

@@ -5,17 +5,22 @@
   selector takes the same partitions in every defense's run).
 - ``honest_targets`` picks, beside them, the honest clients whose real multi-step uploads are
   attacked too (``UploadAttack``).
-- ``with_victim_config`` is the server's one active move: it sends the train config, so it may
+- ``with_victim_config`` is the server's first active move: it sends the train config, so it may
   choose its victims' local hyperparameters (e.g. one local step on one sample, the easiest
   upload to invert). The replies themselves are never touched.
+- ``Fishing`` is its second: it sends the parameters too, so it may send its fishing victims a
+  fished model (``flguard.server.fishing``) and ask for one local step at their own batch size;
+  their replies are attacked and kept out of aggregation (the global model must not learn from a
+  model the server broke on purpose).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from flguard.server.uploads import UploadAttack
 
@@ -50,19 +55,63 @@ def honest_targets(select: TargetSelector, upload_attack: UploadAttack | None, s
     """
     if upload_attack is None or not honest:
         return []
-    preferred = [n for n in select(server_round + 1, list(honest)) if n in set(honest)]
-    ordered = preferred + sorted(n for n in honest if n not in set(preferred))
-    return ordered[:upload_attack.clients]
+    return next_round_first(select, server_round, honest)[:upload_attack.clients]
 
 
-def with_victim_config(content: RecordDict, values: Mapping[str, Any]) -> RecordDict:
-    """A copy of a train message's content whose ConfigRecord(s) carry ``values`` on top.
+def next_round_first(select: TargetSelector, server_round: int, candidates: Sequence[int]) -> list[int]:
+    """``candidates`` ordered with the selector's picks for the next round first, then by node id."""
+    preferred = [n for n in select(server_round + 1, list(candidates)) if n in set(candidates)]
+    return preferred + sorted(n for n in candidates if n not in set(preferred))
+
+
+def with_victim_config(content: RecordDict, values: Mapping[str, Any], arrays: ArrayRecord | None = None) -> RecordDict:
+    """A copy of a train message's content whose ConfigRecord(s) carry ``values`` on top (and whose
+    model is ``arrays`` when given: the fishing move).
 
     Strategies often send one shared RecordDict to every node; the victim gets its own.
     """
-    copy = RecordDict({name: record for name, record in content.array_records.items()})
+    copy = RecordDict({name: record if arrays is None else arrays for name, record in content.array_records.items()})
     for name, record in content.config_records.items():
         copy[name] = ConfigRecord({**dict(record), **dict(values)})
     for name, record in content.metric_records.items():
         copy[name] = record
     return copy
+
+
+@dataclass(frozen=True)
+class Fishing:
+    """The fishing move: ``clients`` victims per round (beside the probes) get the model with its
+    classifier fished for one class (``kind="class"``, Wen et al. 2022) and a one-step config.
+
+    The target class rotates with the round (``(round − 1) mod classes``, or ``target`` fixed), so
+    over the rounds every class is fished; a batch without the class yields a row with no target.
+    ``class_multiplier`` and ``bias_multiplier`` are ``fish_class``'s. Feature fishing needs
+    thresholds the server estimates from data of its own; it is in ``fish_feature``, not yet a
+    round move here.
+    """
+
+    kind: str = "class"
+    clients: int = 1
+    target: int | None = None
+    class_multiplier: float = 0.5
+    bias_multiplier: float = 1000.0
+
+    def __post_init__(self) -> None:
+        if self.kind != "class":
+            raise ValueError(f"Fishing.kind={self.kind!r}: the server's round move fishes by class ('class'); "
+                             "feature fishing is flguard.server.fishing.fish_feature")
+        if self.clients < 1:
+            raise ValueError(f"Fishing.clients={self.clients} must be >= 1")
+
+    def target_class(self, server_round: int, classes: int) -> int:
+        return self.target if self.target is not None else (server_round - 1) % classes
+
+
+def fishing_victims(select: TargetSelector, fishing: Fishing | None, server_round: int,
+                    candidates: Sequence[int]) -> list[int]:
+    """The ``fishing.clients`` nodes to fish among ``candidates`` (the ones not probed): the selector's
+    picks for the next round first, as ``honest_targets`` does, so every defense's run fishes the
+    same partitions."""
+    if fishing is None or not candidates:
+        return []
+    return next_round_first(select, server_round, candidates)[:fishing.clients]

@@ -44,6 +44,7 @@ input units), pixel box, ``clip_per_sample`` 1, gaussian ``max_rel_noise`` 40, e
     python benchmarks/study_promise.py --full --device cuda
     python benchmarks/study_promise.py --subspace-size 8 --krylov-steps 32 --no-bounds   # the guard before issue 7
     python benchmarks/study_promise.py --model cnn --trained        # issue 12: the demo's model and guards, CPU ≤ 12 min
+    python benchmarks/study_promise.py --model cnn --trained --defaults --tag _defaults   # issue 22: the defaults
 """
 
 from __future__ import annotations
@@ -121,9 +122,12 @@ def attacks(model, gradient, x, y, data, args, guard_subspace: int, adaptive: bo
     return out
 
 
-def clipped_upload(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float) -> torch.Tensor:
-    """The ``clip`` control: Σ_i min(1, C/‖g_i‖)·g_i / B — per-sample clipping, no noise."""
+def clipped_upload(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float | str) -> torch.Tensor:
+    """The ``clip`` control: Σ_i min(1, C/‖g_i‖)·g_i / B — per-sample clipping, no noise (C = the lower
+    median of the per-sample norms for ``"median"``, as the guard's default)."""
     rows = [batch_gradient(model, x[i:i + 1], y[i:i + 1]) for i in range(x.shape[0])]
+    if clip == "median":
+        clip = float(torch.stack([g.norm() for g in rows]).median())
     return sum(g * min(1.0, clip / float(g.norm().clamp_min(1e-30))) for g in rows) / x.shape[0]
 
 
@@ -138,8 +142,15 @@ def trained_setup(args) -> None:
     args.demo = config
     args.settings = TaskSettings.from_config(config.run_config(config.defense("none")))
     args.dataset = config.task.dataset
-    args.guard_values = {spec.defense: config.guard_values(spec) for spec in config.defenses
-                         if spec.defense in args.defenses}
+    if args.defaults:  # issue 22: GuardConfig with only the data's normalisation, every other field the default
+        from flguard.flower.task import load_dataset
+
+        data = load_dataset(args.dataset)
+        args.defenses = ["auto"]
+        args.guard_values = {"auto": dict(pixel_mean=data.mean, pixel_std=data.std)}
+    else:
+        args.guard_values = {spec.defense: config.guard_values(spec) for spec in config.defenses
+                             if spec.defense in args.defenses}
     missing = sorted(set(args.defenses) - set(args.guard_values))
     if missing:
         raise SystemExit(f"{args.config} has no defense {', '.join(missing)}")
@@ -336,6 +347,8 @@ def main() -> None:
     parser.add_argument("--sample-seed", type=int, default=0, help="with --trained: the clients' samples' permutation")
     parser.add_argument("--taus", type=float, nargs="+", default=[0.1, 0.3, 0.6])
     parser.add_argument("--defenses", nargs="+", default=["gaussian", "eigen"])
+    parser.add_argument("--defaults", action="store_true",
+                        help="with --trained: one defense, the guard's defaults (auto) given only the normalisation")
     parser.add_argument("--samples-b1", type=int, default=None, help="B=1 uploads (each guarded per defense and τ; "
                         "default 9, --trained 6)")
     parser.add_argument("--batches-b8", type=int, default=1, help="B=8 uploads (each guarded per defense and τ)")

@@ -1,0 +1,187 @@
+"""Fishing (issue 23): the malicious server fishes one class out of a one-step batch gradient; does the
+guard's floor hold on what it then sends?
+
+The demo's task (``--config``, ``simulations/default.toml``): Flower's quickstart CNN warm-started on
+the server's 1,000 public MNIST-5k examples (≈ 91%), batches of the clients' samples (never public
+ones). Per batch size B and upload: B private samples, the target class t = the class of one sample
+that is alone in its class in the batch (the server rotates classes over rounds; a batch with one
+target is the case fishing is built for), the server's fished model ``fish_class(model, t)`` and
+the one-step batch gradient on it. Then, per defense, the server's ``attack_fished`` (strongest
+mode: GS over its TV sweep and DLG, best by matching loss; the pixel box) inverts the target sample:
+
+- ``none``: the fished gradient as it is (the attack's own count of targets, ``count_targets``);
+- ``guard``: ``Guard(GuardConfig(pixel_mean, pixel_std))`` — the defaults (``auto``, 15 dB floor,
+  median per-sample clipping) on the fished model the client received; the attacker is *given* the
+  true number of targets (the noise may blur the bias gradient it would read it from);
+- ``localdp``: Flower's LocalDpMod on the one-step update at the demo's settings (clip 5, ε 700,
+  δ 1e-5, lr 0.02): clipped −lr·g plus N(0, std²) per weight, decoded back to a gradient.
+
+A target sample is *kept* when its reconstruction's pixel PSNR ≤ the floor (15 dB), or when the guard
+left it out of the upload. Printed: per B and defense, the PSNR of each target, the kept share, the
+worst margin (floor − PSNR), the guard's sent share, noise in units of C and seconds.
+
+    python benchmarks/study_fishing.py --batches 8 16 32 --uploads 6       # CPU, one thread, ~40 min
+    python benchmarks/study_fishing.py --batches 8 16 32 --uploads 6 --defended-restarts 4 --device cuda
+
+The undefended uploads are attacked with ``--iterations`` × ``--restarts`` (1,000 × 2), the defended
+ones with the stronger ``--defended-iterations`` × ``--defended-restarts`` (3,000 × 2).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from _common import ROOT, flat_gradient, study_argparser, study_paths, write_table
+from flguard import Guard, GuardConfig
+from flguard.attacks import metrics
+from flguard.server.fishing import attack_fished, count_targets, fish_class
+
+
+def private_batch(settings, data, public, batch: int, rng: np.random.Generator):
+    """B private samples whose labels include a class with exactly one sample; (index, that class)."""
+    private = np.setdiff1d(np.arange(len(data)), public)
+    while True:
+        index = rng.choice(private, size=batch, replace=False)
+        labels = data.labels[torch.as_tensor(index)]
+        counts = torch.bincount(labels, minlength=data.num_classes)
+        single = (counts == 1).nonzero()[:, 0]
+        if len(single):
+            return torch.as_tensor(index), int(single[int(rng.integers(len(single)))])
+
+
+def target_psnr(data, images: torch.Tensor, truth: torch.Tensor) -> float:
+    """Pixel PSNR of the reconstruction of the lone target (box-clamped, as the server scores)."""
+    rec = data.denormalize(images.detach().cpu()).clamp(0, 1)
+    return float(metrics.psnr(rec[:1], data.denormalize(truth.cpu()).clamp(0, 1)))
+
+
+def localdp_gradient(gradient: torch.Tensor, lr: float, dp, generator: torch.Generator) -> torch.Tensor:
+    """LocalDpMod on the one-step update u = −lr·g (clip to ``clipping_norm``, add N(0, std²) per
+    weight), as the gradient (θ0 − θ1)/lr the server decodes."""
+    update = -lr * gradient
+    update = update * min(1.0, dp.clipping_norm / float(update.norm()))
+    noisy = update + dp.std * torch.randn(update.shape, generator=generator, dtype=update.dtype)
+    return -noisy / lr
+
+
+def run(args) -> list[dict]:
+    from flguard.compare.config import load_config
+    from flguard.flower.task import TaskSettings, initial_model, load_dataset, public_indices
+    from flguard.guard_config import LocalDpConfig
+
+    config = load_config(args.config)
+    settings = TaskSettings.from_config(config.run_config(config.defense("none")))
+    data = load_dataset(settings.dataset)
+    public = public_indices(settings.dataset, settings.public_examples, settings.seed)
+    model = initial_model(settings).eval().to(args.device)
+    dp_spec = config.defense("localdp")
+    dp = LocalDpConfig(clipping_norm=dp_spec.clipping_norm, sensitivity=dp_spec.sensitivity,
+                       epsilon=dp_spec.epsilon, delta=dp_spec.delta)
+    floor_psnr = 15.0
+    attack = dict(method="strongest", iterations=args.iterations, restarts=args.restarts, device=args.device,
+                  mean=tuple(data.mean), std=tuple(data.std))
+    strongest = {**attack, "iterations": args.defended_iterations, "restarts": args.defended_restarts}
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for batch in args.batches:
+        for upload in range(args.uploads):
+            index, target = private_batch(settings, data, public, batch, rng)
+            x, y = data.normalize(data.images[index]).to(args.device), data.labels[index].to(args.device)
+            truth = x[y == target]
+            fished = fish_class(model, target)
+            gradient = flat_gradient(fished, x, y)
+            base = dict(B=batch, upload=upload, target_class=target, counted=count_targets(gradient, fished, target,
+                                                                                           batch_size=batch))
+            seed = args.seed * 1000 + batch * 10 + upload
+            started = time.perf_counter()
+            rec = attack_fished(fished, gradient, target, data.shape, batch_size=batch, seed=seed, **attack)
+            rows.append({**base, "defense": "none", "sent": True, "left_out": False, "noise_c": 0.0,
+                         "guard_s": 0.0, "psnr": target_psnr(data, rec.images, truth),
+                         "attack_s": time.perf_counter() - started})
+            print(rows[-1], flush=True)
+
+            guard = Guard(GuardConfig(pixel_mean=data.mean, pixel_std=data.std, seed=seed))
+            started = time.perf_counter()
+            out = guard.protect(fished, x, y, gradient)
+            report = out.report
+            guard_s = time.perf_counter() - started
+            row = {**base, "defense": "guard", "sent": out.gradient is not None, "guard_s": guard_s,
+                   "used": report.details.get("defense_used", report.defense),
+                   "noise_c": report.noise_norm / report.details["clip"] if report.details.get("clip") else None}
+            position = int((y == target).nonzero()[0, 0])
+            row["left_out"] = bool(out.gradient is not None and not torch.isfinite(report.rmse_after[position]))
+            if out.gradient is not None and not row["left_out"]:
+                started = time.perf_counter()
+                rec = attack_fished(fished, out.gradient, target, data.shape, batch_size=batch, count=1, seed=seed,
+                                    **strongest)
+                row.update(psnr=target_psnr(data, rec.images, truth), attack_s=time.perf_counter() - started)
+            else:
+                row.update(psnr=None, reason=report.reason[:100])
+            rows.append(row)
+            print(rows[-1], flush=True)
+
+            generator = torch.Generator().manual_seed(seed)
+            noisy = localdp_gradient(gradient.cpu().double(), settings.lr, dp, generator).float().to(args.device)
+            started = time.perf_counter()
+            rec = attack_fished(fished, noisy, target, data.shape, batch_size=batch, count=1, seed=seed, **strongest)
+            rows.append({**base, "defense": "localdp", "sent": True, "left_out": False, "guard_s": 0.0,
+                         "noise_c": None, "psnr": target_psnr(data, rec.images, truth),
+                         "attack_s": time.perf_counter() - started})
+            print(rows[-1], flush=True)
+    columns = ("B", "upload", "target_class", "counted", "defense", "used", "sent", "left_out", "noise_c", "guard_s",
+               "psnr", "attack_s", "reason")
+    rows = [{key: row.get(key) for key in columns} for row in rows]
+    for row in rows:
+        row["kept"] = bool(row["left_out"] or (row["sent"] and row["psnr"] is not None and row["psnr"] <= floor_psnr))
+    return rows
+
+
+def summarise(rows: list[dict], floor_psnr: float = 15.0) -> list[dict]:
+    table = []
+    for batch in sorted({r["B"] for r in rows}):
+        for defense in ("none", "guard", "localdp"):
+            group = [r for r in rows if r["B"] == batch and r["defense"] == defense]
+            if not group:
+                continue
+            sent = [r for r in group if r["sent"]]
+            scored = [r["psnr"] for r in sent if r["psnr"] is not None]
+            table.append({
+                "B": batch, "defense": defense, "uploads": len(group), "sent": len(sent),
+                "targets_counted_right": sum(r["counted"] == 1 for r in group),
+                "psnr_median": statistics.median(scored) if scored else None,
+                "psnr_max": max(scored) if scored else None,
+                "kept_share": sum(r["kept"] for r in sent) / len(sent) if sent else None,
+                "worst_margin_db": floor_psnr - max(scored) if scored else None,
+                "noise_c_median": statistics.median([r["noise_c"] for r in sent if r.get("noise_c") is not None])
+                if defense == "guard" and sent else None,
+                "guard_s_median": statistics.median([r["guard_s"] for r in group]) if defense == "guard" else None,
+            })
+    return table
+
+
+def main() -> None:
+    parser = study_argparser(__doc__)
+    parser.add_argument("--config", default=str(ROOT / "simulations" / "default.toml"))
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--uploads", type=int, default=3, help="fished uploads per batch size")
+    parser.add_argument("--iterations", type=int, default=1000, help="the strongest attack's GS iterations")
+    parser.add_argument("--restarts", type=int, default=2)
+    parser.add_argument("--defended-iterations", type=int, default=3000,
+                        help="the attack's GS iterations on the defended (guard, localdp) uploads")
+    parser.add_argument("--defended-restarts", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    rows = run(args)
+    _, table_path = study_paths("study_fishing")
+    write_table(rows, table_path.with_name("study_fishing_samples.csv"))
+    print(write_table(summarise(rows), table_path))
+    print(f"{(time.perf_counter() - started) / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()

@@ -173,12 +173,13 @@ def main() -> None:
     parser.add_argument("--defended-iterations", type=int, default=3000,
                         help="the attack's GS iterations on the defended (guard, localdp) uploads")
     parser.add_argument("--defended-restarts", type=int, default=2)
+    parser.add_argument("--tag", default="", help="suffix of the output files")
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
     rows = run(args)
-    _, table_path = study_paths("study_fishing")
-    write_table(rows, table_path.with_name("study_fishing_samples.csv"))
+    _, table_path = study_paths(f"study_fishing{args.tag}")
+    write_table(rows, table_path.with_name(f"study_fishing{args.tag}_samples.csv"))
     print(write_table(summarise(rows), table_path))
     print(f"{(time.perf_counter() - started) / 60:.1f} min")
 

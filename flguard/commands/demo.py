@@ -13,7 +13,7 @@ def demo_command(
     resume: bool = typer.Option(True, help="Keep finished defense runs found in OUT (--no-resume reruns all)."),
     verbose: bool = typer.Option(False, help="Show Flower's own log."),
 ) -> None:
-    """LeNet on MNIST-5k, 4 Flower clients, attacked every round by GS: none vs LocalDpMod vs flguard."""
+    """The quickstart CNN on MNIST-5k, 4 clients, a probing and fishing server: none, LocalDpMod, flguard's guards."""
     from flguard.commands.compare import run_and_report
     from flguard.compare.config import DEFAULT_CONFIG
 

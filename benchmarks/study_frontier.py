@@ -1,0 +1,86 @@
+"""P5 (issue 23 §4): does the per-sample guard buy accuracy at equal protection, where FL trains the model?
+
+Reads a finished comparison of ``simulations/frontier.toml`` (``flguard compare simulations/frontier.toml
+--out DIR``; ``--run`` starts it first) and, for each guard, compares its final accuracy with LocalDpMod's
+*at the guard's best-attack PSNR*: LocalDpMod's (best-attack PSNR, final accuracy) points at its three
+ε, linearly interpolated in PSNR. P5 = guard accuracy − interpolated LocalDpMod accuracy, in points;
+a guard whose PSNR lies outside LocalDpMod's range is compared with the nearest ε and marked so.
+Two attackers: every attack of the run (``attack_psnr_best``, passive probes and fishing together)
+and the fishing attacker alone (``fishing_attack_psnr_best``).
+
+    python benchmarks/study_frontier.py --run --out frontier-out      # CPU: about an hour
+    python benchmarks/study_frontier.py --out frontier-out            # the table of a finished run
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+from _common import ROOT, study_paths, write_table
+
+GUARDS = ("gaussian", "eigen", "auto")
+
+
+def _float(value: str | None) -> float | None:
+    try:
+        out = float(value) if value not in (None, "") else None
+    except ValueError:
+        return None
+    return out if out is None or out == out else None
+
+
+def interpolate(points: list[tuple[float, float]], psnr: float) -> tuple[float, bool]:
+    """LocalDpMod's accuracy at ``psnr`` (linear in PSNR between its ε), and whether ``psnr`` is inside
+    their range (else the nearest point's accuracy)."""
+    points = sorted(points)
+    if psnr <= points[0][0]:
+        return points[0][1], psnr == points[0][0]
+    if psnr >= points[-1][0]:
+        return points[-1][1], psnr == points[-1][0]
+    for (p0, a0), (p1, a1) in zip(points, points[1:]):
+        if p0 <= psnr <= p1:
+            return a0 + (a1 - a0) * (psnr - p0) / (p1 - p0) if p1 > p0 else max(a0, a1), True
+    raise AssertionError("unreachable")
+
+
+def p5_table(rows: list[dict], column: str) -> list[dict]:
+    dp = [(_float(r[column]), _float(r["final_accuracy"])) for r in rows if r["kind"] == "localdp"]
+    dp = [(p, a) for p, a in dp if p is not None and a is not None]
+    table = []
+    for row in rows:
+        if row["kind"] not in GUARDS:
+            continue
+        psnr, accuracy = _float(row[column]), _float(row["final_accuracy"])
+        entry = {"defense": row["defense"], "attacker": column, "psnr": psnr, "accuracy": accuracy}
+        if psnr is not None and accuracy is not None and len(dp) >= 2:
+            reference, inside = interpolate(dp, psnr)
+            entry.update(localdp_accuracy=reference, p5_points=accuracy - reference, inside_localdp_range=inside)
+        table.append(entry)
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="frontier-out", help="the comparison's output folder")
+    parser.add_argument("--config", default=str(ROOT / "simulations" / "frontier.toml"))
+    parser.add_argument("--run", action="store_true", help="run the comparison first")
+    args = parser.parse_args()
+    out = Path(args.out)
+    if args.run:
+        subprocess.run([sys.executable, "-m", "flguard.cli", "compare", args.config, "--out", str(out)], check=True)
+    with open(out / "summary.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    print(write_table(rows, None, columns=["defense", "kind", "final_accuracy", "attack_psnr_best",
+                                           "fishing_attack_psnr_best", "tau_met_share", "mean_rel_noise",
+                                           "guard_overhead", "dropped_updates"]))
+    table = p5_table(rows, "attack_psnr_best") + p5_table(rows, "fishing_attack_psnr_best")
+    _, path = study_paths("study_frontier")
+    print(write_table(table, path))
+
+
+if __name__ == "__main__":
+    main()

@@ -36,6 +36,7 @@ def test_shipped_configs_are_valid() -> None:
     assert [d.defense for d in demo.defenses] == ["none", "localdp", "gaussian", "eigen"]
     taus = {d.min_rmse for d in demo.defenses if d.defense in ("gaussian", "eigen")}
     assert len(taus) == 1 and demo.attack.method == "gs" and demo.attack.clients_per_round == 1
+    assert (demo.attack.fishing, demo.attack.fishing_clients) == ("class", 1)  # the demo shows all three kinds
     lfw = load_config(SIMULATIONS / "lfw.toml").task
     assert (lfw.model, lfw.dataset) == ("cnn", "lfw-faces")
 
@@ -63,6 +64,31 @@ def test_several_attack_methods_each_with_its_iterations() -> None:
                                            .replace("iterations = 8", "iterations = [8, 2]")))
     emitted = config.run_config(config.defenses[0])
     assert (emitted["attack-method"], emitted["attack-iterations"]) == ("gs,dlg", "8,2")
+
+
+def test_fishing_maps_to_the_run_config_keys() -> None:
+    plain = CompareConfig(**tomllib.loads(TINY))
+    emitted = plain.run_config(plain.defenses[0])
+    assert (emitted["attack-fishing"], emitted["attack-fishing-clients"]) == ("none", 1)
+    fishing = CompareConfig(**tomllib.loads(TINY.replace("victim_local_steps = 1", 'victim_local_steps = 1\n'
+                                                         'fishing = "class"\nfishing_clients = 1')))
+    assert (fishing.attack.fishing, fishing.attack.fishing_clients) == ("class", 1)
+    for spec in fishing.defenses:
+        emitted = fishing.run_config(spec)
+        assert (emitted["attack-fishing"], emitted["attack-fishing-clients"]) == ("class", 1)
+        assert fishing.fingerprint(spec) != plain.fingerprint(spec)  # a run without fishing is not resumed
+
+
+@pytest.mark.parametrize("fishing, message", [
+    ('fishing = "feature"', r"CompareConfig\.attack\.fishing: value='feature'.*fish_feature"),
+    ('fishing = "net"', r"CompareConfig\.attack\.fishing: .*'none', 'class' or 'feature'"),
+    ('fishing = "class"\nfishing_clients = 0', r"CompareConfig\.attack\.fishing_clients.*greater than or equal to 1"),
+    # 2 clients, 1 probed per round: one is left to fish, not two
+    ('fishing = "class"\nfishing_clients = 2', r"attack\.fishing_clients=2: .* 2 - 1 .* = 1 of task\.clients"),
+])
+def test_bad_fishing_names_the_field(tmp_path: Path, fishing: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(_write(tmp_path, TINY.replace("victim_local_steps = 1", f"victim_local_steps = 1\n{fishing}")))
 
 
 def test_unreadable_configs(tmp_path: Path) -> None:

@@ -37,8 +37,9 @@ def _event_line(name: str, event: str, payload: Mapping[str, Any], rounds: int) 
         acc = payload.get("metrics", {}).get("eval-acc")
         return f"{name}: round {payload['round']}/{rounds} done" + (f", accuracy {acc:.3f}" if acc is not None else "")
     if event == "attack":
-        psnr = payload.get("psnr")
-        return (f"{name}: attack on round {payload.get('round')} ({payload.get('method')}): "
+        psnr, kind = payload.get("psnr"), payload.get("attack_target")
+        kind = {"fedavg-upload": ", real upload", "fishing": f", fished class {payload.get('fished_class')}"}.get(kind, "")
+        return (f"{name}: attack on round {payload.get('round')} ({payload.get('method')}{kind}): "
                 + (f"PSNR {psnr:.1f} dB" if psnr is not None else str(payload.get("status"))))
     return f"{name}: {event}" + (f" ({payload['seconds']:.0f} s)" if "seconds" in payload else "")
 

@@ -80,6 +80,14 @@ class AttackSection(StrictModel):
                                                         "1 when the server probes (victim_*), else 0")
     upload_iterations: int = Field(50, ge=1, description="at most this many iterations per attack on a real "
                                                           "upload (K·B images, K unrolled steps: the cost bound)")
+    fishing: Literal["none", "class", "feature"] = Field(
+        "none", description="'class': each round the server also sends fishing_clients clients (not the probed "
+                            "ones) a model whose classifier isolates one class's samples (Wen et al. 2022; the "
+                            "class rotates per round) and asks for one local step; it attacks their replies and "
+                            "does not aggregate them. 'feature' is refused: feature fishing is the library "
+                            "function flguard.server.fishing.fish_feature, not a round move")
+    fishing_clients: int = Field(1, ge=1, description="clients fished per round (with fishing = 'class'); each "
+                                                       "fished reply gets every attack at the full iterations")
 
     @property
     def methods(self) -> list[str]:
@@ -98,6 +106,15 @@ class AttackSection(StrictModel):
             raise ValueError(f"iterations={self.iterations!r}: give one positive count, or one per method "
                              f"({len(self.methods)})")
         return self
+
+    @field_validator("fishing")
+    @classmethod
+    def _round_move(cls, kind: str) -> str:
+        if kind == "feature":
+            raise ValueError("'feature' is not a move of the malicious server's rounds (it fishes by class: "
+                             "fishing = 'class'); feature fishing needs thresholds the server estimates from its "
+                             "own data and is the library function flguard.server.fishing.fish_feature")
+        return kind
 
 
 def compare_fields(defense: str) -> tuple[str, ...]:
@@ -183,6 +200,16 @@ class CompareConfig(StrictModel):
             raise ValueError(f"defense names must be unique; repeated: {', '.join(duplicates)}")
         return self
 
+    @model_validator(mode="after")
+    def _room_to_fish(self) -> "CompareConfig":
+        attack, clients = self.attack, self.task.clients
+        if attack.fishing != "none" and attack.clients_per_round + attack.fishing_clients > clients:
+            raise ValueError(f"attack.fishing_clients={attack.fishing_clients}: the server fishes clients it does "
+                             f"not attack otherwise, and only {clients} - {attack.clients_per_round} "
+                             f"(attack.clients_per_round) = {clients - attack.clients_per_round} of task.clients "
+                             "are left per round")
+        return self
+
     def defense(self, name: str) -> DefenseSpec:
         """The defense called ``name`` (a ConfigError naming the known ones otherwise)."""
         for spec in self.defenses:
@@ -212,6 +239,8 @@ class CompareConfig(StrictModel):
         if attack.uploads is not None:
             config["attack-uploads"] = attack.uploads
         config["attack-upload-iterations"] = attack.upload_iterations
+        config["attack-fishing"] = attack.fishing
+        config["attack-fishing-clients"] = attack.fishing_clients
         # Every guard-* and localdp-* key, "" where unset: the app's pyproject defaults cannot leak in.
         config.update(guard_run_config(self.guard_config(spec)))
         config.update(localdp_run_config(LocalDpConfig(**spec.values()) if spec.defense == "localdp" else None))

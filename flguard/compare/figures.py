@@ -82,6 +82,27 @@ class Comparison:
         return path
 
 
+#: attack_target → how its markers are filled in the attack figure (the legend's words).
+ATTACK_KINDS = {"probe": "probe (filled)", "fedavg-upload": "real upload (hollow)",
+                "fishing": "fished upload (half-filled)"}
+
+
+def attack_kind(row: dict[str, str]) -> str:
+    """A rounds.csv row's kind of attack: ``probe`` (also for rows of runs older than the column),
+    ``fedavg-upload`` or ``fishing``."""
+    return row.get("attack_target") or "probe"
+
+
+def _kind_markers(ax, points: list[tuple[float, float]], kind: str, style: dict[str, str], label: str | None) -> None:
+    """One defense's markers of one kind of attack: probes filled, real uploads hollow, fished uploads
+    half-filled (the defense's colour and marker throughout)."""
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    fill = {"probe": "full", "fedavg-upload": "none"}.get(kind, "left")
+    ax.plot(xs, ys, ls="none", marker=style["marker"], ms=6.5, color=style["color"], fillstyle=fill,
+            markerfacecoloralt="white", markeredgecolor="white" if fill == "full" else style["color"],
+            mew=0.6 if fill == "full" else 1.2, label=label, zorder=3)
+
+
 def _data(source: Path | Comparison) -> Comparison:
     return source if isinstance(source, Comparison) else Comparison(Path(source))
 
@@ -141,17 +162,19 @@ def plot_attack_psnr(source: Path | Comparison) -> Path | None:
             ax.plot([], [], " ", label=f"{defense} (not attacked)")
             continue
         shift, style = (i - (len(data.defenses) - 1) / 2) * 0.06, data.style(defense)  # side by side in a round
-        uploads = [(int(r["round"]) + shift, psnr(r["attack_psnr"])) for r in data.attacked(defense)
-                   if r.get("attack_target") == "fedavg-upload"]
-        probes = [(int(r["round"]) + shift, psnr(r["attack_psnr"])) for r in data.attacked(defense)
-                  if r.get("attack_target") != "fedavg-upload"]
-        if probes:
-            ax.scatter(*zip(*probes), s=40, label=defense, edgecolor="white", lw=0.6, zorder=3, **style)
-        if uploads:  # honest clients' real multi-step uploads: hollow markers
-            ax.scatter(*zip(*uploads), s=40, label=f"{defense} (real uploads)" if not probes else None,
-                       facecolor="none", edgecolor=style["color"], marker=style["marker"], lw=1.2, zorder=3)
+        points: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for row in data.attacked(defense):
+            points[attack_kind(row)].append((int(row["round"]) + shift, psnr(row["attack_psnr"])))
+        label: str | None = defense
+        for kind in (k for k in ATTACK_KINDS if points.get(k)):
+            _kind_markers(ax, points[kind], kind, style, label)
+            label = None  # the defense once in the legend, on its first kind
         ax.plot([x + shift for x in sorted(per_round)], [statistics.median(v) for _, v in sorted(per_round.items())],
                 color=style["color"], alpha=0.5, lw=1)  # the round's median, to follow a defense across rounds
+    kinds = [k for k in ATTACK_KINDS if any(attack_kind(r) == k for r in data.attacked())]
+    if kinds != ["probe"]:  # a key to the marker fills, in grey, after the defenses
+        for kind in kinds:
+            _kind_markers(ax, [], kind, {"color": GREY, "marker": "o"}, ATTACK_KINDS[kind])
     ax.set_ylabel("attack PSNR (dB)  ↑ worse privacy")
     if any(str(r.get("attack_psnr")).strip().lower() in ("inf", "+inf") for r in data.attacked()):
         ax.axhline(PSNR_EXACT, color=GREY, ls=":", lw=1, label=f"exact (∞ dB, drawn at {PSNR_EXACT:g})")
@@ -281,7 +304,9 @@ def plot_reconstructions(source: Path | Comparison) -> Path | None:
 
     data = _data(source)
     victims: dict[int, dict[str, tuple[dict[str, str], dict[str, Any] | None]]] = defaultdict(dict)
-    for row in data.attacked():  # round → defense → (its first attacked row with an image, the tensors)
+    # round → defense → (its first attacked row with an image, the tensors); a fished upload only where
+    # nothing else was attacked (its reconstruction is of one class's samples, not of a whole batch)
+    for row in sorted(data.attacked(), key=lambda r: attack_kind(r) == "fishing"):
         if row.get("attack_image") and row["defense"] not in victims[int(row["round"])]:
             victims[int(row["round"])][row["defense"]] = (row, _load_tensors(data.directory / row["attack_image"]))
     if not (rounds := sorted(victims)):
@@ -316,7 +341,9 @@ def plot_reconstructions(source: Path | Comparison) -> Path | None:
                 ax.spines[:].set_visible(False)
             if what == "reconstruction" and row is not None:
                 value = number(row["attack_psnr"])
-                ax.set_xlabel(f"{'∞' if value is None else f'{value:.1f}'} dB · client {row['client']}", fontsize=8)
+                kind = {"fedavg-upload": "\nreal upload", "fishing": "\nfished upload"}.get(attack_kind(row), "")
+                ax.set_xlabel(f"{'∞' if value is None else f'{value:.1f}'} dB · client {row['client']}{kind}",
+                              fontsize=8)
             if i == 0:
                 ax.set_title(f"{defense}\n{what}" if paired else defense or "original", fontsize=9,
                              color=data.style(defense)["color"] if defense else "black")

@@ -45,6 +45,10 @@ PRIVACY_UTILITY: tuple[Column, ...] = (
     ("upload_attacks", "real-upload attacks", _INT, None),
     ("upload_attack_psnr_best", "best real-upload PSNR (dB)", _DB, "min"),
     ("upload_tau_met_share", "τ met, real uploads", _PCT, "max"),
+    ("fishing_attacks", "fishing attacks", _INT, None),
+    ("fishing_attack_psnr_best", "best fished PSNR (dB)", _DB, "min"),
+    ("fishing_tau_met_share", "τ met, fished", _PCT, "max"),
+    ("fished_withheld", "fished replies withheld", _INT, None),
 )
 COSTS: tuple[Column, ...] = (
     ("defense", "defense", None, None),
@@ -68,7 +72,9 @@ CAPTIONS: Mapping[str, tuple[str, str]] = {
     "attack_psnr": ("Privacy: attack quality per round",
                     "Each marker is one attacked client's reconstruction: higher PSNR means a closer copy of the "
                     "private data, so lower markers mean better privacy. Filled markers are probes (the one-sample "
-                    "upload the server asked for), hollow ones honest clients' real multi-step uploads."),
+                    "upload the server asked for), hollow ones honest clients' real multi-step uploads, half-filled "
+                    "ones fished uploads (one step on a model the server rigged to isolate one class; never "
+                    "aggregated)."),
     "privacy_utility": ("Trade-off",
                         "One point per defense, its final accuracy against the best attack it suffered: the best "
                         "defenses sit up and to the left."),
@@ -94,11 +100,19 @@ from about 15–20 dB; ∞ is an exact copy.</li>
 <li><b>Predicted vs measured</b>: the guard <em>predicts</em> a floor on the reconstruction error before an update
 leaves the client; the malicious server's attack <em>measures</em> the error it really achieves. Measured ≥ predicted
 means the promise was kept. Flower's LocalDpMod makes no prediction, so it has measured values only.</li>
-<li><b>Two kinds of attack.</b> A <em>probe</em> is the upload the malicious server asks its victim for (one
+<li><b>Three kinds of attack.</b> A <em>probe</em> is the upload the malicious server asks its victim for (one
 sample, one local step: the easiest to invert); a <em>real upload</em> (<code>fedavg-upload</code>) is an honest
 client's ordinary multi-step FedAvg update, attacked by unrolling its known local SGD steps with a bounded number of
-iterations. <b>τ met</b> is the share of attacked <em>samples</em> whose measured RMSE is at least τ: over all attacks,
-over probes and over real uploads.</li>
+iterations; a <em>fished upload</em> (<code>fishing</code>, when the config sets <code>fishing = "class"</code>) is one
+local step on a model the server altered before sending it: its last layer is rewritten so that only one class's
+samples reach the layers before it (Wen et al. 2022), and the server inverts those samples. A fished reply is
+sabotage, never aggregated: it costs the training nothing but is not the client's real update either. A fished
+batch without a sample of the class, or one whose count of them the server misread (it reads the count off the
+classifier's bias gradient, which a defense's noise blurs), yields an attack without a score: counted among the
+fishing attacks, with no PSNR.
+<b>τ met</b> is the share of attacked <em>samples</em> whose measured RMSE is at least τ: over all attacks, and over
+probes, real uploads and fished uploads separately. <b>Fished replies withheld</b> counts fished models on which the
+client's guard sent nothing (e.g. it found no floor it could certify).</li>
 <li>In the table the <mark>highlighted</mark> cell is the best value of its column (higher accuracy, lower attack
 PSNR/SSIM, higher attack RMSE, more τ met); costs and settings are not ranked.</li>
 </ul>

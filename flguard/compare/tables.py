@@ -6,11 +6,20 @@ and, where the malicious server attacked that client, how well the attack did. `
 one row per defense. Units: ``min_pred_rmse`` and ``attack_rmse`` are per-sample RMSEs in the
 model's input units (the unit of the guard's τ); ``attack_rmse_pixels`` is in pixels ([0, 1]).
 
-Two kinds of attack (``attack_target``): ``probe``, an upload the server asked its victim for (one
-sample, one step: the easiest to invert), and ``fedavg-upload``, an honest client's real multi-step
-upload, attacked by unrolling its known local steps. The promise — the share of attacked *samples*
-reconstructed no closer than τ (``attack_rmse_samples`` holds each sample's RMSE) — is reported for
-all attacks (``tau_met_share``) and for each kind (``probe_tau_met_share``, ``upload_tau_met_share``).
+Three kinds of attack (``attack_target``): ``probe``, an upload the server asked its victim for (one
+sample, one step: the easiest to invert); ``fedavg-upload``, an honest client's real multi-step
+upload, attacked by unrolling its known local steps; and ``fishing``, a one-step upload of a model
+the server fished (its classifier rewritten so that only one class's samples reach the layers
+before it, ``flguard.server.fishing``), attacked for that class's samples and never aggregated. The
+promise — the share of attacked *samples* reconstructed no closer than τ (``attack_rmse_samples``
+holds each sample's RMSE) — is reported for all attacks (``tau_met_share``) and for each kind
+(``probe_tau_met_share``, ``upload_tau_met_share``, ``fishing_tau_met_share``).
+
+A fished client's reply is not among the run's ``train_replies`` (FedAvg never saw it) but in
+``fished_replies`` of its ``summary.json``: its row in rounds.csv has ``fished`` = 1 and the reply's
+own metrics (the guard's outcome on the fished model, or the error it withheld with). The
+utility-side columns of summary.csv (noise, guard time, dropped updates, samples left out) stay over
+the aggregated replies; ``fished_withheld`` counts the fished replies that carried no update.
 """
 
 from __future__ import annotations
@@ -34,13 +43,18 @@ ROUND_COLUMNS = ("round", "defense", "client", "test_accuracy", "test_loss", "gr
 EXTRA_ROUND_COLUMNS = ("kind", "num_examples", "train_loss", "guard_met", "error", "median_pred_rmse",
                        "attack_rmse_pixels", "attack_label_accuracy", "attack_batch_size", "attack_seconds",
                        "attack_labels", "attack_image", "attack_error", "attack_target", "attack_rmse_samples",
-                       "excluded_samples", "guarded_samples")
+                       "excluded_samples", "guarded_samples", "fished", "fished_class", "attack_targets",
+                       "attack_true_targets")
 SUMMARY_COLUMNS = ("defense", "kind", "tau", "rounds", "final_accuracy", "final_loss", "attacks", "attack_psnr_min",
                    "attack_psnr_median", "attack_psnr_best", "attack_ssim_best", "attack_rmse_min", "tau_met_share",
                    "mean_rel_noise", "mean_noise_norm", "guard_overhead", "guard_seconds", "train_seconds",
                    "dropped_updates", "run_seconds", "probe_attacks", "probe_tau_met_share", "upload_attacks",
-                   "upload_attack_psnr_best", "upload_attack_rmse_min", "upload_tau_met_share", "excluded_share")
-PROBE, UPLOAD = "probe", "fedavg-upload"  # the values of attack_target (flguard.server.uploads)
+                   "upload_attack_psnr_best", "upload_attack_rmse_min", "upload_tau_met_share", "excluded_share",
+                   "fishing_attacks", "fishing_attack_psnr_best", "fishing_attack_rmse_min", "fishing_tau_met_share",
+                   "fished_withheld")
+#: The values of attack_target (flguard.server.uploads PROBE, UPLOAD, FISHED).
+PROBE, UPLOAD, FISHING = "probe", "fedavg-upload", "fishing"
+ATTACK_TARGETS = (PROBE, UPLOAD, FISHING)
 
 
 def _number(value: Any) -> float | None:
@@ -49,6 +63,11 @@ def _number(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return None if math.isnan(number) else number  # inf stays: an exact reconstruction has PSNR = ∞
+
+
+def _whole(value: Any) -> int | None:
+    number = _number(value)
+    return int(number) if number is not None and math.isfinite(number) else None
 
 
 def read_attack_rows(directory: Path) -> list[dict[str, str]]:
@@ -96,16 +115,20 @@ def defense_rows(config: CompareConfig, name: str, directory: Path) -> list[dict
     attacks = best_attacks(read_attack_rows(directory))
     train = summary.get("train_replies", {})
     evaluate = summary.get("evaluate_replies", {})
+    fished = summary.get("fished_replies", {})  # round -> node -> the fished reply's metrics (not aggregated)
     rows = []
-    for server_round in sorted({int(r) for r in (*train, *evaluate)}):
+    for server_round in sorted({int(r) for r in (*train, *evaluate, *fished)} | {r for r, _ in attacks}):
         replies_t, replies_e = train.get(str(server_round), {}), evaluate.get(str(server_round), {})
-        for node in sorted({int(n) for n in (*replies_t, *replies_e)}):
-            t, e = replies_t.get(str(node), {}), replies_e.get(str(node), {})
-            reported = _number(t.get("partition-id", e.get("partition-id")))
+        replies_f = fished.get(str(server_round), {})
+        attacked_nodes = {n for r, n in attacks if r == server_round}
+        for node in sorted({int(n) for n in (*replies_t, *replies_e, *replies_f)} | attacked_nodes):
+            was_fished = str(node) in replies_f
+            t = replies_f[str(node)] if was_fished else replies_t.get(str(node), {})
+            e, attack = replies_e.get(str(node), {}), attacks.get((server_round, node), {})
+            reported = _number(t.get("partition-id", e.get("partition-id", attack.get("partition_id"))))
             client = partitions.get(node, int(reported) if reported is not None else -1)
             uploaded = bool(t) and "error" not in t  # a train reply that carried an update
             noise_norm, rel_noise = _noise(t) if uploaded else (None, None)
-            attack = attacks.get((server_round, node), {})
             row = {
                 "round": server_round, "defense": name, "client": client,
                 "test_accuracy": _number(e.get("eval-acc")), "test_loss": _number(e.get("eval-loss")),
@@ -129,6 +152,11 @@ def defense_rows(config: CompareConfig, name: str, directory: Path) -> list[dict
                 # samples left out of the round's steps (max_excluded) and samples guarded in them
                 "excluded_samples": _number(t.get("guard_excluded")) if uploaded else None,
                 "guarded_samples": _number(t.get("guard_samples")) if uploaded else None,
+                # the server sent this client a fished model this round: its reply was not aggregated
+                "fished": int(was_fished or attack.get("attack_target") == FISHING),
+                "fished_class": _whole(attack.get("fished_class")),
+                "attack_targets": _whole(attack.get("targets")),
+                "attack_true_targets": _whole(attack.get("true_targets")),
             }
             rows.append(row)
     return rows
@@ -176,7 +204,11 @@ def summary_row(config: CompareConfig, name: str, rows: Sequence[Mapping[str, An
     uploaded = [r for r in attacked if r.get("attack_target") == UPLOAD]
     upload_psnr = [r["attack_psnr"] for r in uploaded if r["attack_psnr"] is not None]
     upload_rmse = [v for r in uploaded for v in sample_rmses(r)]
-    uploads = [r for r in rows if r["rel_noise"] is not None]
+    fishing = [r for r in attacked if r.get("attack_target") == FISHING]
+    fishing_psnr = [r["attack_psnr"] for r in fishing if r["attack_psnr"] is not None]
+    fishing_rmse = [v for r in fishing for v in sample_rmses(r)]
+    aggregated = [r for r in rows if not r.get("fished")]  # what FedAvg received: the utility side
+    uploads = [r for r in aggregated if r["rel_noise"] is not None]
     guard_s = sum(r["guard_seconds"] or 0.0 for r in uploads)
     train_s = sum(r["train_seconds"] or 0.0 for r in uploads)
     last = max((int(k) for k in run_summary.get("evaluate_metrics", {})), default=None)
@@ -191,12 +223,15 @@ def summary_row(config: CompareConfig, name: str, rows: Sequence[Mapping[str, An
         "mean_rel_noise": statistics.fmean(r["rel_noise"] for r in uploads) if uploads else None,
         "mean_noise_norm": statistics.fmean(r["noise_norm"] for r in uploads) if uploads else None,
         "guard_overhead": guard_s / train_s if train_s > 0 else None, "guard_seconds": guard_s,
-        "train_seconds": train_s, "dropped_updates": sum(1 for r in rows if r["error"]),
+        "train_seconds": train_s, "dropped_updates": sum(1 for r in aggregated if r["error"]),
         "run_seconds": _number(run_summary.get("seconds")),
         "probe_attacks": len(probes), "probe_tau_met_share": tau_met_share(probes, tau),
         "upload_attacks": len(uploaded), "upload_attack_psnr_best": max(upload_psnr, default=None),
         "upload_attack_rmse_min": min(upload_rmse, default=None), "upload_tau_met_share": tau_met_share(uploaded, tau),
         "excluded_share": _share(uploads, "excluded_samples", "guarded_samples"),
+        "fishing_attacks": len(fishing), "fishing_attack_psnr_best": max(fishing_psnr, default=None),
+        "fishing_attack_rmse_min": min(fishing_rmse, default=None), "fishing_tau_met_share": tau_met_share(fishing, tau),
+        "fished_withheld": sum(1 for r in rows if r.get("fished") and r["error"]),
     }
 
 

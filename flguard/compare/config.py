@@ -31,7 +31,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "simulations" / "default.
 class TaskSection(StrictModel):
     """The federated task every defense's run shares (same seeds, partitions, initial model)."""
 
-    dataset: Literal["mnist5k", "lfw-faces", "digits", "mnist", "fashion-mnist", "cifar10"] = "mnist5k"
+    dataset: Literal["mnist5k", "lfw-faces", "digits", "photos32", "mnist", "fashion-mnist", "cifar10"] = "mnist5k"
     model: str = Field("lenet", description="a flguard.models name (lenet, cnn2_v1 … cnn4_v2, mlp, linear, resnet18)")
     init: Literal["default", "uniform", "normal", "kaiming", "xavier"] = "uniform"
     clients: int = Field(4, ge=2, le=64, description="simulated SuperNodes, one partition each")

@@ -14,6 +14,7 @@ from flguard.guard import SUSPICIOUS
 from flguard.models import create
 from flguard.server.fishing import (attack_fished, count_targets, fish_class, fish_feature, last_linear,
                                     penultimate_features)
+from flguard.server import AttackRunner, AttackSpec, CapturedUpload, Fishing, ResultWriter, TrueBatch
 from flguard.server.uploads import ClientUpdate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -122,3 +123,39 @@ def test_a_server_made_dead_network_is_withheld_as_suspicious_parameters(name, s
     out = Guard(GuardConfig(defense=defense)).protect(model, x, y, gradient)
     assert out.gradient is None and not out.report.met
     assert out.report.reason.startswith(SUSPICIOUS), out.report.reason
+
+
+def test_the_fished_class_is_the_one_the_victims_last_upload_trained_on_most():
+    fishing = Fishing()
+    update = torch.tensor([0.01, -0.2, 0.3, 0.05, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    assert fishing.target_class(4, 10, update) == 2
+    assert fishing.target_class(4, 10, None) == 3  # nothing seen yet: the rotation
+    assert Fishing(infer_target=False).target_class(4, 10, update) == 3
+    assert Fishing(target=7).target_class(4, 10, update) == 7
+    with pytest.raises(ValueError, match="feature"):
+        Fishing(kind="feature")
+
+
+def test_a_misread_count_is_scored_on_the_best_matched_pairs(tmp_path):
+    """Two samples of the fished class, an upload whose bias gradient reads one: the runner scores the
+    one reconstruction against the closer of the two, and says how many there were."""
+    torch.manual_seed(4)
+    model = create("cnn", in_channels=1, num_classes=10, image_size=28)
+    fished = fish_class(model, 2)
+    x, y = torch.randn(8, 1, 28, 28), torch.tensor([2, 5, 2, 7, 1, 0, 3, 4])
+    lr = 0.1
+    before = {k: v.clone() for k, v in fished.state_dict().items()}
+    after = {k: v.clone() for k, v in before.items()}
+    for (name, _), grad in zip(fished.named_parameters(), _grads(fished, x, y)):
+        after[name] -= lr * grad
+    after["fc3.bias"][2] = before["fc3.bias"][2] + lr * (1 / 8)  # the count now reads 1, not 2
+    writer = ResultWriter(tmp_path, save_images=False)
+    runner = AttackRunner(model_fn=lambda: create("cnn", in_channels=1, num_classes=10, image_size=28),
+                          input_shape=(1, 28, 28), attacks=[AttackSpec("dlg", iterations=1)], writer=writer,
+                          blocking=True)
+    truth = TrueBatch(x, y, run_id=1, server_round=1, node_id=5, partition_id=0)
+    upload = CapturedUpload(1, 5, before, after, {"lr": lr, "local-steps": 1, "batch-size": 8}, truth, "fishing", 2)
+    row = runner.run(upload, runner.attacks[0])
+    assert row["status"] == "ok", row["error"]
+    assert row["targets"] == 1 and row["true_targets"] == 2 and row["scored"] and row["fished_class"] == 2
+    assert row["true_labels"] == "2" and row["psnr"] == row["psnr"]

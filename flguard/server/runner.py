@@ -158,8 +158,10 @@ class AttackRunner:
     def _attack_fished(self, model: nn.Module, update: ClientUpdate, upload: CapturedUpload, spec: AttackSpec,
                        extra: dict[str, Any], row: dict[str, Any]) -> tuple[Reconstruction, TrueBatch | None]:
         """``attack_fished`` on a fished upload, and the truth it is scored against: the batch's samples
-        of the fished class (the count comes from the upload, never from the truth; a batch whose
-        count the server misread is not scored)."""
+        of the fished class (the count comes from the upload, never from the truth). Where the count
+        is misread, the min(counted, true) reconstructions and true samples closest to each other
+        are scored (a judge's choice: it can only favour the attacker); a batch without the class has
+        no truth to score against."""
         from flguard.server.fishing import attack_fished
 
         target = int(upload.fished_class)
@@ -171,7 +173,19 @@ class AttackRunner:
             return rec, None
         mask = truth.labels.view(-1) == target
         row["true_targets"] = int(mask.sum())
-        return rec, replace(truth, inputs=truth.inputs[mask], labels=truth.labels.view(-1)[mask])
+        if not bool(mask.any()):
+            return rec, None  # nothing of the class in the batch: nothing to score
+        inputs, labels = truth.inputs[mask], truth.labels.view(-1)[mask]
+        count = rec.images.shape[0]
+        if count != len(labels):  # the count misread (noise blurs the bias gradient): score the best-matched pairs
+            from scipy.optimize import linear_sum_assignment
+
+            images = rec.images.detach().cpu()
+            cost = torch.cdist(images.flatten(1).double(), inputs.cpu().flatten(1).double())
+            rows, cols = linear_sum_assignment(cost.numpy())
+            rec.images, rec.labels = images[torch.as_tensor(rows)], rec.labels.cpu()[torch.as_tensor(rows)]
+            inputs, labels = inputs[torch.as_tensor(cols)], labels[torch.as_tensor(cols)]
+        return rec, replace(truth, inputs=inputs, labels=labels)
 
     def attack_inputs(self, spec: AttackSpec, update: ClientUpdate) -> tuple[list[torch.Tensor], dict[str, Any]]:
         """The target and hyperparameters for ``reconstruct``: the normalisation where the method

@@ -40,12 +40,12 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 from torch import nn
 
+from flguard.flower.task import LOCAL_STEPS_KEY
 from flguard.flower.truth import TruthChannelRefused
 from flguard.server.results import ResultWriter
 from flguard.server.runner import AttackRunner, CapturedUpload
 from flguard.server.scoring import Scorer
 from flguard.server.truth import TrueBatch, TruthReader
-from flguard.flower.task import LOCAL_STEPS_KEY
 from flguard.server.fishing import fish_class, last_linear
 from flguard.server.uploads import (FISHED, PROBE, UPLOAD, AttackSpec, UpdateDecoder, UploadAttack, delta_to_gradient,
                                     state_of)
@@ -92,6 +92,7 @@ class MaliciousServer(Strategy):
         self._fished: dict[int, dict[int, int]] = {}  # round -> {node id: the class its model was fished for}
         # round -> {node id: the fished reply's metrics (e.g. the guard's), or its error}: not aggregated
         self.fished_replies: dict[int, dict[int, dict[str, Any]]] = {}
+        self._bias_updates: dict[int, torch.Tensor] = {}  # node id -> its last aggregated upload's classifier-bias update
         self._sent: dict[int, dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]] = {}
         self._reader: TruthReader | None = None
         self._truth_checked = False
@@ -164,6 +165,8 @@ class MaliciousServer(Strategy):
                       if not r.has_error() and len(r.content.array_records) == 1 and r.metadata.src_node_id in sent}
             self.fished_replies[server_round] = {r.metadata.src_node_id: _metrics_of(r) for r in replies
                                                  if r.metadata.src_node_id in fished}
+            if self.fishing is not None:
+                self._remember_bias_updates(usable, sent, fished)
             for node_id, target in sorted(fished.items()):
                 if node_id in usable:
                     self.runner.submit(self._capture(server_round, usable.pop(node_id), *sent[node_id], target=FISHED,
@@ -224,13 +227,26 @@ class MaliciousServer(Strategy):
         truth = self._reader.read(reply.metadata.run_id, server_round, node_id) if self._reader else None
         return CapturedUpload(server_round, node_id, before, after, config, truth, target, fished_class)
 
+    def _remember_bias_updates(self, usable: Mapping[int, Message], sent: Mapping[int, tuple[dict[str, torch.Tensor],
+                                                                                           dict[str, Any]]],
+                               fished: Mapping[int, int]) -> None:
+        """Keep each aggregated reply's classifier-bias update θK − θ0 (what ``Fishing`` infers a
+        victim's classes from); a fished reply says nothing about the client's own classes."""
+        key = f"{last_linear(self.runner.model_fn())[0]}.bias"
+        for node_id, reply in usable.items():
+            if node_id in fished or key not in sent[node_id][0]:
+                continue
+            after = next(iter(reply.content.array_records.values())).to_torch_state_dict()
+            self._bias_updates[node_id] = (after[key].double() - sent[node_id][0][key].double()).cpu()
+
     def _fish(self, server_round: int, message: Message, arrays: ArrayRecord) -> None:
         """Send ``message``'s node the model fished for this round's class, and one local step."""
         assert self.fishing is not None
         record = next(iter(message.content.array_records.values()), arrays)
         model = self.runner.model_fn()
         model.load_state_dict(state_of(record), strict=True)
-        target = self.fishing.target_class(server_round, last_linear(model)[1].out_features)
+        target = self.fishing.target_class(server_round, last_linear(model)[1].out_features,
+                                           self._bias_updates.get(message.metadata.dst_node_id))
         fished = fish_class(model, target, class_multiplier=self.fishing.class_multiplier,
                             bias_multiplier=self.fishing.bias_multiplier)
         message.content = with_victim_config(message.content, {LOCAL_STEPS_KEY: 1},

@@ -83,8 +83,11 @@ class Fishing:
     """The fishing move: ``clients`` victims per round (beside the probes) get the model with its
     classifier fished for one class (``kind="class"``, Wen et al. 2022) and a one-step config.
 
-    The target class rotates with the round (``(round − 1) mod classes``, or ``target`` fixed), so
-    over the rounds every class is fished; a batch without the class yields a row with no target.
+    The target class: ``target`` when fixed; else, with ``infer_target``, the class the victim's last
+    aggregated upload trained most on — read off its classifier's bias update θK − θ0, which rises for
+    the classes in the batches (the server sees every upload; ``MaliciousServer`` keeps the last one
+    per node) — so the fished class is one the client holds; else, and before any upload, the class
+    ``(round − 1) mod classes``. A batch without the class yields a row with nothing to score.
     ``class_multiplier`` and ``bias_multiplier`` are ``fish_class``'s. Feature fishing needs
     thresholds the server estimates from data of its own; it is in ``fish_feature``, not yet a
     round move here.
@@ -93,6 +96,7 @@ class Fishing:
     kind: str = "class"
     clients: int = 1
     target: int | None = None
+    infer_target: bool = True
     class_multiplier: float = 0.5
     bias_multiplier: float = 1000.0
 
@@ -103,8 +107,14 @@ class Fishing:
         if self.clients < 1:
             raise ValueError(f"Fishing.clients={self.clients} must be >= 1")
 
-    def target_class(self, server_round: int, classes: int) -> int:
-        return self.target if self.target is not None else (server_round - 1) % classes
+    def target_class(self, server_round: int, classes: int, bias_update: Any = None) -> int:
+        """This round's class for a victim whose last aggregated upload moved the classifier's bias by
+        ``bias_update`` (a tensor [classes], or None when the server has seen none)."""
+        if self.target is not None:
+            return self.target
+        if self.infer_target and bias_update is not None and float(bias_update.max()) > 0:
+            return int(bias_update.argmax())
+        return (server_round - 1) % classes
 
 
 def fishing_victims(select: TargetSelector, fishing: Fishing | None, server_round: int,

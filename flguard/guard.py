@@ -58,6 +58,11 @@ SOLVER_MAX_ITER = 100
 #: trained ResNet-20-GN at B = 8 the Gaussian needed 54–663 C and sent 0 of 5 steps, eigen 5 of 5
 #: (docs/results.md, "The guard on the models practitioners train").
 AUTO_ORDER = ("gaussian", "eigen")
+#: ``auto`` reuses what a step learnt: when the Gaussian needed more than AUTO_SKIP_FACTOR × the budget,
+#: the next AUTO_SKIP_STEPS steps go straight to eigen (the model moves little from one step to the
+#: next; every kind still verifies its own floor, so skipping only saves the Gaussian's products).
+AUTO_SKIP_FACTOR = 2.0
+AUTO_SKIP_STEPS = 8
 
 
 class GuardFailure(RuntimeError):
@@ -82,6 +87,7 @@ class Guard:
     def __init__(self, config: GuardConfig | None = None) -> None:
         self.config = config if config is not None else GuardConfig()
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._skip_gaussian = 0  # auto: steps left that start with eigen (AUTO_SKIP_STEPS)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """One stream per device for the guard's lifetime: successive updates get fresh noise
@@ -171,8 +177,13 @@ class Guard:
         """``auto``: each of AUTO_ORDER in turn on the same operator (its products count against the
         same step limit) until one meets the floor within the budget; the last one's outcome otherwise.
         The report's details name the one that was sent (``defense_used``)."""
-        reasons = []
-        for kind in AUTO_ORDER:
+        reasons, order = [], AUTO_ORDER
+        if self._skip_gaussian > 0:
+            self._skip_gaussian -= 1
+            order = tuple(kind for kind in AUTO_ORDER if kind != "gaussian")
+            reasons.append(f"gaussian: skipped (it needed over {AUTO_SKIP_FACTOR:g}× the budget within the last "
+                           f"{AUTO_SKIP_STEPS} steps)")
+        for kind in order:
             try:
                 outcome = self._perturb(op, flat, kind)
             except Exception as failure:  # the next kind may still certify; every kind verifies its own floor
@@ -183,6 +194,8 @@ class Guard:
             if outcome.met:
                 return outcome
             reasons.append(f"{kind}: {outcome.reason}")
+            if kind == "gaussian" and float(outcome.noise.norm()) > AUTO_SKIP_FACTOR * _budget(flat, self.config, self._clip):
+                self._skip_gaussian = AUTO_SKIP_STEPS
         if outcome is None:
             raise GuardFailure("; ".join(reasons))
         outcome.reason = "; ".join(reasons)

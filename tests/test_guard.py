@@ -86,6 +86,25 @@ def test_auto_sends_the_gaussian_within_budget_and_aimed_noise_beyond_it():
     assert tight.gradient is None and "gaussian: " in tight.report.reason and "eigen: " in tight.report.reason
 
 
+def test_auto_goes_straight_to_eigen_after_the_gaussian_needed_far_more_than_the_budget(monkeypatch):
+    """The next AUTO_SKIP_STEPS steps skip the Gaussian (fewer products, the same floor verified), then
+    it is tried again."""
+    import flguard.guard as guard_module
+
+    monkeypatch.setattr(guard_module, "AUTO_SKIP_FACTOR", 1.0)
+    monkeypatch.setattr(guard_module, "AUTO_SKIP_STEPS", 1)
+    model, x, y, jac, g = _problem(3)
+    gauss = Guard(unclipped(defense="gaussian", min_rmse=TAU, seed=3)).protect(model, x, y, g).report
+    eigen = Guard(unclipped(defense="eigen", min_rmse=TAU, seed=3)).protect(model, x, y, g).report
+    guard = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3,
+                            max_rel_noise=(eigen.rel_noise * gauss.rel_noise) ** 0.5))
+    first, second, third = (guard.protect(model, x, y, g) for _ in range(3))
+    for out in (first, second, third):
+        assert out.report.met and out.report.details["defense_used"] == "eigen"
+        assert torch.all(_dense_rmse(jac, out.gradient - g, out.report.eps) >= TAU)
+    assert second.report.matvecs < first.report.matvecs and third.report.matvecs == first.report.matvecs
+
+
 def test_seeds_reproduce_and_os_entropy_differs():
     model, x, y, _, g = _problem(2)
     first = Guard(unclipped(defense="eigen", seed=7)).protect(model, x, y, g).gradient

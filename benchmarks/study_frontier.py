@@ -58,7 +58,7 @@ def p5_table(rows: list[dict], column: str) -> list[dict]:
         entry = {"defense": row["defense"], "attacker": column, "psnr": psnr, "accuracy": accuracy}
         if psnr is not None and accuracy is not None and len(dp) >= 2:
             reference, inside = interpolate(dp, psnr)
-            entry.update(localdp_accuracy=reference, p5_points=accuracy - reference, inside_localdp_range=inside)
+            entry.update(localdp_accuracy=reference, p5_points=100 * (accuracy - reference), inside_localdp_range=inside)
         table.append(entry)
     return table
 

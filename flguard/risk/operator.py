@@ -272,8 +272,16 @@ class JacobianOperator:
             return rows[idx, :, idx]
 
     def _jt_one(self, xi: torch.Tensor, yi: torch.Tensor, ui: torch.Tensor) -> torch.Tensor:
-        """Unscaled J̃_iᵀu [dθ] of one sample, forward-over-reverse: the derivative of ∇_θ ℓ(x_i + t·u) at t = 0."""
-        return jvp(lambda z: self._sample_grad(z, yi), (xi,), (ui.reshape(xi.shape),))[1]
+        """Unscaled J̃_iᵀu [dθ] of one sample, reverse-over-reverse: ∇_θ ⟨∇_x ℓ(x_i), u⟩ — the derivative of
+        ∇_θ ℓ(x_i + t·u) at t = 0, by the symmetry of ℓ's mixed second derivatives. Measured against
+        forward-over-reverse (one CPU thread, × a training step): quickstart CNN B = 32 3.7× vs 6.1×,
+        ResNet-20-GN B = 8 4.8× vs 5.4×, ResNet-18-GN B = 8 7.4× vs 9.6× (``j``: 3.7×, 4.8×, 3.5×)."""
+        direction = ui.reshape(xi.shape)
+
+        def input_dot(params: dict[str, torch.Tensor]) -> torch.Tensor:
+            loss = lambda z: self.loss_fn(self._forward(params, z.unsqueeze(0)), yi.unsqueeze(0))  # noqa: E731
+            return (grad(loss)(xi) * direction).sum()
+        return self._flat(grad(input_dot)(self.params))
 
     def _j_one(self, xi: torch.Tensor, yi: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Unscaled J̃_i v [dx] of one sample, reverse-of-forward: ∇_x of ℓ's derivative along θ + s·v at s = 0."""

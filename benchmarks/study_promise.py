@@ -147,7 +147,9 @@ def trained_setup(args) -> None:
 
         data = load_dataset(args.dataset)
         args.defenses = ["auto"]
-        args.guard_values = {"auto": dict(pixel_mean=data.mean, pixel_std=data.std)}
+        one = len(data.mean) == 1  # one channel: scalars, as the demo's config gives them
+        args.guard_values = {"auto": dict(pixel_mean=data.mean[0] if one else data.mean,
+                                          pixel_std=data.std[0] if one else data.std)}
     else:
         args.guard_values = {spec.defense: config.guard_values(spec) for spec in config.defenses
                              if spec.defense in args.defenses}

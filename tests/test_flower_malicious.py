@@ -80,19 +80,12 @@ def test_attack_spec_validates() -> None:
         AttackSpec(restarts=0)
 
 
-def test_malicious_server_in_a_ray_simulation(tmp_path: Path, simulation_apps) -> None:
-    """2 clients × 2 rounds: one scored row per attacked client per round, nothing extra aggregated."""
+def _simulate(server_app, client_app, supernodes: int) -> None:
+    """Flower's Ray simulation of the two apps; Ray is shut down whatever happens."""
     from flwr.simulation import run_simulation
 
-    make_client_app, make_server_app = simulation_apps
-    out_dir, truth_dir = tmp_path / "results", tmp_path / "truth"
-    overrides = {"num-server-rounds": 2, "batch-size": 1, "local-steps": 1, "lr": 0.1, "init": "uniform",
-                 "attack-method": "gs", "attack-iterations": 8, "attack-restarts": 1, "round-timeout": 600.0,
-                 "out-dir": str(out_dir), TRUTH_DIR_KEY: str(truth_dir)}
-    results = []
     try:
-        run_simulation(server_app=make_server_app(overrides, on_result=results.append),
-                       client_app=make_client_app(overrides), num_supernodes=2,
+        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=supernodes,
                        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                                        "init_args": {"num_cpus": 2}})
     finally:
@@ -100,6 +93,17 @@ def test_malicious_server_in_a_ray_simulation(tmp_path: Path, simulation_apps) -
 
         if ray.is_initialized():
             ray.shutdown()
+
+
+def test_malicious_server_in_a_ray_simulation(tmp_path: Path, simulation_apps) -> None:
+    """2 clients × 2 rounds: one scored row per attacked client per round, nothing extra aggregated."""
+    make_client_app, make_server_app = simulation_apps
+    out_dir, truth_dir = tmp_path / "results", tmp_path / "truth"
+    overrides = {"num-server-rounds": 2, "batch-size": 1, "local-steps": 1, "lr": 0.1, "init": "uniform",
+                 "attack-method": "gs", "attack-iterations": 8, "attack-restarts": 1, "round-timeout": 600.0,
+                 "out-dir": str(out_dir), TRUTH_DIR_KEY: str(truth_dir)}
+    results = []
+    _simulate(make_server_app(overrides, on_result=results.append), make_client_app(overrides), 2)
 
     rows = [json.loads(line) for line in (out_dir / "attacks.jsonl").read_text().splitlines()]
     keys = [(row["round"], row["node_id"]) for row in rows]
@@ -224,23 +228,13 @@ def test_fished_replies_are_attacked_and_never_aggregated(tmp_path: Path, simula
     """3 clients × 2 rounds, one passive target and one fished client per round: the fished client's
     one-step upload becomes a 'fishing' row (class fished, targets counted, scored against that
     class's samples), and its reply is not among what FedAvg aggregated that round."""
-    from flwr.simulation import run_simulation
-
     make_client_app, make_server_app = simulation_apps
     out_dir, truth_dir = tmp_path / "results", tmp_path / "truth"
     overrides = {"num-server-rounds": 2, "batch-size": 8, "local-steps": 3, "lr": 0.1, "init": "uniform",
                  "attack-method": "dlg", "attack-iterations": 2, "attack-restarts": 1, "round-timeout": 600.0,
                  "attack-targets": 1, "attack-fishing": "class", "min-nodes": 3,
                  "out-dir": str(out_dir), TRUTH_DIR_KEY: str(truth_dir)}
-    try:
-        run_simulation(server_app=make_server_app(overrides), client_app=make_client_app(overrides), num_supernodes=3,
-                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                       "init_args": {"num_cpus": 2}})
-    finally:
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
+    _simulate(make_server_app(overrides), make_client_app(overrides), 3)
 
     rows = [json.loads(line) for line in (out_dir / "attacks.jsonl").read_text().splitlines()]
     fished = [row for row in rows if row["attack_target"] == "fishing"]

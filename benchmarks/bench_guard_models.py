@@ -85,7 +85,7 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
             optimizer.step()
             sent += 1
         except GuardFailure as failure:
-            reasons.append(str(failure)[:120])
+            reasons.append(str(failure)[:600])  # auto: both kinds' reasons
         synchronize(device)
         seconds.append(time.perf_counter() - start)
         if guarded:

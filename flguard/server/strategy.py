@@ -93,6 +93,7 @@ class MaliciousServer(Strategy):
         # round -> {node id: the fished reply's metrics (e.g. the guard's), or its error}: not aggregated
         self.fished_replies: dict[int, dict[int, dict[str, Any]]] = {}
         self._bias_updates: dict[int, torch.Tensor] = {}  # node id -> its last aggregated upload's classifier-bias update
+        self._bias_key: str | None = None
         self._sent: dict[int, dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]] = {}
         self._reader: TruthReader | None = None
         self._truth_checked = False
@@ -232,12 +233,15 @@ class MaliciousServer(Strategy):
                                fished: Mapping[int, int]) -> None:
         """Keep each aggregated reply's classifier-bias update θK − θ0 (what ``Fishing`` infers a
         victim's classes from); a fished reply says nothing about the client's own classes."""
-        key = f"{last_linear(self.runner.model_fn())[0]}.bias"
+        if self._bias_key is None:  # the classifier's bias in a state dict: one model built, once
+            self._bias_key = f"{last_linear(self.runner.model_fn())[0]}.bias"
+        key = self._bias_key
         for node_id, reply in usable.items():
-            if node_id in fished or key not in sent[node_id][0]:
+            record = next(iter(reply.content.array_records.values()))
+            if node_id in fished or key not in sent[node_id][0] or key not in record:
                 continue
-            after = next(iter(reply.content.array_records.values())).to_torch_state_dict()
-            self._bias_updates[node_id] = (after[key].double() - sent[node_id][0][key].double()).cpu()
+            after = torch.from_numpy(record[key].numpy()).double()  # the bias alone, not the whole state
+            self._bias_updates[node_id] = after - sent[node_id][0][key].double().cpu()
 
     def _fish(self, server_round: int, message: Message, arrays: ArrayRecord) -> None:
         """Send ``message``'s node the model fished for this round's class, and one local step."""

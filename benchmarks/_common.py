@@ -26,7 +26,7 @@ def demo_round(config_path: str, steps: int, batch: int = 32, device: str = "cpu
     in the seeded order of the task — issue 12 §3's protocol, shared by the cost benchmarks. Model and
     batches on ``device``; the data and the warm start are the same on every device."""
     from flguard.compare.config import load_config
-    from flguard.flower.task import TaskSettings, initial_model, load_partition
+    from flguard.simulation.task import TaskSettings, initial_model, load_partition
 
     config = load_config(config_path)
     settings = TaskSettings.from_config(config.run_config(config.defenses[0]))

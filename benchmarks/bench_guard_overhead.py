@@ -54,7 +54,8 @@ def demo(args) -> None:
     """The round and step ratios and the cost model on the demo's trained CNN and guard configs."""
     import copy
 
-    import flguard.guard as guard_module
+    import flguard.guard.floor as floor_module
+    import flguard.guard.perturb as perturb_module
     import flguard.risk.regularised as regularised_module
     from _common import demo_round
     from bench_guard_round import HEADER, measure_round, run_round
@@ -69,8 +70,8 @@ def demo(args) -> None:
     for spec in specs:
         one_run = args.one_run if spec.defense == "gaussian" else ["on"]  # eigen's directions need the spectrum first
         for mode, compiled, shrink, joint in itertools.product(args.precondition, args.compile, args.shrink, one_run):
-            guard_module.PRECONDITION_CG = mode == "on"
-            guard_module.LANCZOS_SOLVE = joint == "on"
+            floor_module.PRECONDITION_CG = mode == "on"
+            perturb_module.LANCZOS_SOLVE = joint == "on"
             regularised_module.COMPILE_PRODUCTS = compiled == "on"
             regularised_module.COMPILE_MODE = args.compile_mode
             regularised_module.SHRINK_TO_ACTIVE = shrink == "on"

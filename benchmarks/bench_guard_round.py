@@ -25,7 +25,8 @@ import time
 
 import torch
 
-import flguard.guard as guard_module
+import flguard.guard.floor as floor_module
+import flguard.guard.perturb as perturb_module
 import flguard.risk.regularised as regularised_module
 from _common import synchronize
 from flguard import Guard, GuardConfig
@@ -37,9 +38,9 @@ COUNTS = {"lanczos": 0, "cg": 0, "lanczos_s": 0.0, "cg_s": 0.0}
 
 def _wrap() -> None:
     """Count products and time spent in the guard's Lanczos and CG calls (idempotent)."""
-    if getattr(guard_module.i2f_solve, "counted", False):
+    if getattr(floor_module.i2f_solve, "counted", False):
         return
-    lanczos, i2f_solve = regularised_module.lanczos, guard_module.i2f_solve
+    lanczos, i2f_solve = regularised_module.lanczos, floor_module.i2f_solve
 
     def lanczos_counted(*a, **k):
         start = time.perf_counter()
@@ -50,9 +51,9 @@ def _wrap() -> None:
 
     i2f_counted = _counted(i2f_solve)
     i2f_counted.counted = True
-    regularised_module.lanczos, guard_module.i2f_solve = lanczos_counted, i2f_counted
-    # the gaussian guard's one-run λmax + solve (guard.LANCZOS_SOLVE) has no separate Lanczos: "cg"
-    guard_module.i2f_solve_with_lambda_max = _counted(guard_module.i2f_solve_with_lambda_max)
+    regularised_module.lanczos, floor_module.i2f_solve = lanczos_counted, i2f_counted
+    # the gaussian guard's one-run λmax + solve (flguard.guard.perturb.LANCZOS_SOLVE) has no separate Lanczos: "cg"
+    perturb_module.i2f_solve_with_lambda_max = _counted(perturb_module.i2f_solve_with_lambda_max)
 
 
 def _counted(solver):

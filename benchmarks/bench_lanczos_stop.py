@@ -25,7 +25,7 @@ import importlib
 import torch
 
 from flguard.compare.config import load_config
-from flguard.flower.task import TaskSettings, initial_model, load_partition
+from flguard.simulation.task import TaskSettings, initial_model, load_partition
 from flguard.risk.assess import jacobian_product
 from flguard.risk.krylov import preconditioned_cg, spectral_preconditioner
 from flguard.risk.lanczos import LanczosResult

@@ -70,8 +70,8 @@ def localdp_gradient(gradient: torch.Tensor, lr: float, dp, generator: torch.Gen
 
 def run(args) -> list[dict]:
     from flguard.compare.config import load_config
-    from flguard.flower.task import TaskSettings, initial_model, load_dataset, public_indices
-    from flguard.guard_config import LocalDpConfig
+    from flguard.simulation.task import TaskSettings, initial_model, load_dataset, public_indices
+    from flguard.guard.config import LocalDpConfig
 
     config = load_config(args.config)
     settings = TaskSettings.from_config(config.run_config(config.defense("none")))

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from flguard.attacks import metrics
 from flguard.compare.config import load_config
-from flguard.flower import task
+from flguard.simulation import task
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ("noise", "smooth", "fade", "shift")

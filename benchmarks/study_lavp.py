@@ -14,7 +14,7 @@ Reported: Spearman ρ (scipy.stats.spearmanr) of every proxy with every score, p
 
 ``--trained`` (issue 12; seed 001 measured trained networks, and "untrained" was this study's first
 suspect for the non-reproduction): the model is warm-started as the demo's server does it
-(``flguard.flower.task.initial_model``: Adam, lr 1e-3, batches of 32, seeded) on a public split
+(``flguard.simulation.task.initial_model``: Adam, lr 1e-3, batches of 32, seeded) on a public split
 of each dataset — 1,000 examples of MNIST-5k (the demo's), half of the 200 LFW images — for as many
 Adam steps as the demo's 6 epochs on 1,000 examples (192), and the samples are drawn from outside
 the public split. Its accuracy on the rest is printed. ``--model cnn`` uses Flower's quickstart
@@ -73,7 +73,7 @@ def trained_model_and_batch(dataset: str, args):
 
     import numpy as np
 
-    from flguard.flower.task import TaskSettings, evaluate_model, initial_model, load_dataset, public_indices
+    from flguard.simulation.task import TaskSettings, evaluate_model, initial_model, load_dataset, public_indices
 
     data = load_dataset(dataset)
     public = min(1000, len(data) // 2)

@@ -15,7 +15,7 @@ guard's doing, not an attack failure. ``--full`` adds the I2F LeNet (uniform ini
 longer attacks.
 
 ``--model cnn --trained`` (issue 12) checks the promise where the demo makes it: Flower's
-quickstart CNN (ReLU) warm-started exactly as the demo's server does (``flguard.flower.task``:
+quickstart CNN (ReLU) warm-started exactly as the demo's server does (``flguard.simulation.task``:
 ``initial_model`` on ``public_indices`` — 1,000 public MNIST-5k examples, 6 epochs of Adam,
 ≈ 91.6% on the rest), uploads of samples that are NOT in the public split (the clients' data), and
 the demo's own guard configs, built from ``--config`` (``simulations/default.toml``) with
@@ -134,7 +134,7 @@ def clipped_upload(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cli
 def trained_setup(args) -> None:
     """``--trained``: the demo's task and guard configs from ``args.config`` (issue 12)."""
     from flguard.compare.config import load_config
-    from flguard.flower.task import TaskSettings
+    from flguard.simulation.task import TaskSettings
 
     config = load_config(args.config)
     if config.task.model != args.model:
@@ -143,7 +143,7 @@ def trained_setup(args) -> None:
     args.settings = TaskSettings.from_config(config.run_config(config.defense("none")))
     args.dataset = config.task.dataset
     if args.defaults:  # issue 22: GuardConfig with only the data's normalisation, every other field the default
-        from flguard.flower.task import load_dataset
+        from flguard.simulation.task import load_dataset
 
         data = load_dataset(args.dataset)
         args.defenses = ["auto"]
@@ -174,7 +174,7 @@ def trained_model_and_batch(args, count: int, offset: int):
     public split (a seeded permutation of the clients' examples, from ``offset``)."""
     import numpy as np
 
-    from flguard.flower.task import initial_model, load_dataset, public_indices
+    from flguard.simulation.task import initial_model, load_dataset, public_indices
 
     settings = args.settings
     data = load_dataset(settings.dataset)

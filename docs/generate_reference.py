@@ -157,7 +157,7 @@ def field_table(model: type[BaseModel], only: tuple[str, ...] | None = None) -> 
 
 def guard_field_table(names: tuple[str, ...]) -> str:
     """A field table of GuardConfig fields with the defenses that take each one (from the models)."""
-    from flguard.guard_config import DEFENSES, defense_fields, guard_config_model
+    from flguard.guard.config import DEFENSES, defense_fields, guard_config_model
 
     rows = ["| field | defenses | type | default | allowed | meaning |", "| --- | --- | --- | --- | --- | --- |"]
     for name in names:
@@ -173,7 +173,7 @@ def guard_field_table(names: tuple[str, ...]) -> str:
 def defense_keys_table() -> str:
     """Which keys each ``defense`` of a ``[[defenses]]`` table takes (``compare_fields``)."""
     from flguard.compare.config import compare_fields
-    from flguard.guard_config import DEFENSES, GuardConfig
+    from flguard.guard.config import DEFENSES, GuardConfig
 
     common = [k for k in compare_fields("gaussian") if k in GuardConfig.model_fields]
     rows = ["| `defense` | keys it may set besides `name` and `defense` |", "| --- | --- |"]
@@ -208,8 +208,8 @@ def error_example() -> str:
 def generated_blocks() -> dict[str, str]:
     from flguard.compare.config import (NOT_IN_COMPARISONS, AttackSection, CompareConfig, DefenseSpec, TaskSection,
                                         compare_fields)
-    from flguard.flower.dp import LocalDpConfig
-    from flguard.guard_config import DEFENSES
+    from flguard.simulation.localdp import LocalDpConfig
+    from flguard.guard.config import DEFENSES
 
     in_defenses = tuple(dict.fromkeys(n for d in DEFENSES if d != "localdp" for n in compare_fields(d)))
     return {
@@ -246,11 +246,11 @@ def fill_markers(text: str, blocks: dict[str, str]) -> str:
 API: list[tuple[str, str, list[str]]] = [
     ("flguard", "The guard", ["make_guarded", "GuardConfig", "Guard", "GuardReport", "GuardOutput", "GuardFailure",
                               "check_model", "fix_model", "UnsupportedModel"]),
-    ("flguard.guard_config", "One config per defense", [
+    ("flguard.guard.config", "One config per defense", [
         "GaussianGuardConfig", "EigenGuardConfig", "NoneGuardConfig", "FixedGaussianGuardConfig", "PruningGuardConfig",
         "LocalDpGuardConfig", "ThresholdGuardConfig", "LocalDpConfig", "AnyGuardConfig", "parse_guard_config",
         "guard_config_model", "defense_fields", "all_guard_fields"]),
-    ("flguard.training", "Guarding an unchanged training loop", ["GuardedOptimizer", "GuardedCriterion",
+    ("flguard.guard.training", "Guarding an unchanged training loop", ["GuardedOptimizer", "GuardedCriterion",
                                                                  "GuardMisuse"]),
     ("flguard.risk", "Risk metrics", ["assess", "RiskReport", "architecture_index", "JacobianOperator", "RegularisedK",
                                      "lanczos", "conjugate_gradient"]),
@@ -264,9 +264,9 @@ API: list[tuple[str, str, list[str]]] = [
         "MaliciousServer", "AttackSpec", "UploadAttack", "ClientUpdate", "delta_to_gradient",
         "upload_attack_from_config", "every_client", "first_clients", "honest_targets", "AttackRunner",
         "CapturedUpload", "Scorer", "score_batch", "ResultWriter", "save_grid", "TruthReader", "TrueBatch"]),
-    ("flguard.flower.apps", "The apps every run uses", ["make_client_app", "make_server_app", "config_mods",
+    ("flguard.apps", "The apps every run uses", ["make_client_app", "make_server_app", "config_mods",
                                                         "run_server"]),
-    ("flguard.flower.dp", "Flower's LocalDpMod, measured", ["localdp_mod_from_config", "measured_local_dp",
+    ("flguard.simulation.localdp", "Flower's LocalDpMod, measured", ["localdp_mod_from_config", "measured_local_dp",
                                                             "localdp_run_config"]),
     ("flguard.compare", "Comparisons", ["CompareConfig", "TaskSection", "AttackSection", "DefenseSpec",
                                         "compare_fields", "load_config", "run_config_string"]),

@@ -10,7 +10,7 @@ defaults have dense tests of their own (tests/test_guard_clip.py, tests/test_gua
 from __future__ import annotations
 
 from flguard import GuardConfig
-from flguard.guard_config import THRESHOLD_DEFENSES
+from flguard.guard.config import THRESHOLD_DEFENSES
 
 UNCLIPPED = dict(clip_per_sample=None, max_rel_noise=10.0, max_excluded=0.0, rtol=1e-3)
 

@@ -18,7 +18,7 @@ from flguard.compare.figures import ATTACK_KINDS, attack_kind
 from flguard.compare.report import write_report
 from flguard.compare.runner import run_directory
 from flguard.compare.tables import ATTACK_TARGETS, EXTRA_ROUND_COLUMNS, SUMMARY_COLUMNS, build_tables
-from flguard.flower.apps import SUMMARY_FILE
+from flguard.apps import SUMMARY_FILE
 from flguard.server.results import ROW_FIELDS
 from conftest import TINY_COMPARISON
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from flguard import Guard, GuardConfig, data
 from flguard.attacks import metrics
-from flguard.guard import SUSPICIOUS
+from flguard.guard.failure import SUSPICIOUS
 from flguard.models import create
 from flguard.server.fishing import (attack_fished, count_targets, fish_class, fish_feature, last_linear,
                                     penultimate_features)

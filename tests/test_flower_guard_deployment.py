@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SIMULATIONS, TINY_COMPARISON
-from flguard.guard_report import METRIC_KEYS
+from flguard.guard.report import METRIC_KEYS
 
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from flguard import GuardConfig
 from flguard.flower import guard_mod, guard_step, task
-from flguard.guard_report import METRIC_KEYS
+from flguard.guard.report import METRIC_KEYS
 from guard_settings import unclipped
 
 SETTINGS = task.TaskSettings(batch_size=2, lr=0.05, local_steps=1, init="uniform")

@@ -21,7 +21,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from flguard import GuardConfig
 from flguard.flower import guard_mod, task
-from flguard.guard_report import METRIC_KEYS
+from flguard.guard.report import METRIC_KEYS
 from guard_settings import unclipped
 
 OVERRIDES = {"num-server-rounds": 2, "batch-size": 2, "local-steps": 1, "lr": 0.1, "init": "uniform",

@@ -89,10 +89,10 @@ def test_auto_sends_the_gaussian_within_budget_and_aimed_noise_beyond_it():
 def test_auto_goes_straight_to_eigen_after_the_gaussian_needed_far_more_than_the_budget(monkeypatch):
     """The next AUTO_SKIP_STEPS steps skip the Gaussian (fewer products, the same floor verified), then
     it is tried again."""
-    import flguard.guard as guard_module
+    import flguard.guard.perturb as perturb_module
 
-    monkeypatch.setattr(guard_module, "AUTO_SKIP_FACTOR", 1.0)
-    monkeypatch.setattr(guard_module, "AUTO_SKIP_STEPS", 1)
+    monkeypatch.setattr(perturb_module, "AUTO_SKIP_FACTOR", 1.0)
+    monkeypatch.setattr(perturb_module, "AUTO_SKIP_STEPS", 1)
     model, x, y, jac, g = _problem(3)
     gauss = Guard(unclipped(defense="gaussian", min_rmse=TAU, seed=3)).protect(model, x, y, g).report
     eigen = Guard(unclipped(defense="eigen", min_rmse=TAU, seed=3)).protect(model, x, y, g).report

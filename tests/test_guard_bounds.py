@@ -103,12 +103,12 @@ def test_box_scale_is_not_judged_only_at_the_budget_limit():
     """The clipped error saturates at the box while the CG slack grows with the scale, so the
     verified bound can fail at the budget's limit yet hold at a far smaller scale (this withheld
     every update of a trained CNN before): the scale found must be the small one, and verified."""
-    from flguard.guard import _box_scale
+    from flguard.guard.floor import box_scale
 
     x = torch.zeros(1, 4, dtype=torch.float64)
     shift = torch.ones(1, 4, dtype=torch.float64)  # unit RMSE per unit scale; box half-width 1
     low, high = torch.full_like(x, -1.0), torch.full_like(x, 1.0)
-    scale, rmse, reachable = _box_scale(x, shift, low, high, 0.5, 1e-3, 0.1, 1e6)
+    scale, rmse, reachable = box_scale(x, shift, low, high, 0.5, 1e-3, 0.1, 1e6)
     assert reachable and 0.5 < scale < 0.51
     assert float(rmse.min()) - 1e-3 * scale >= 0.5 * (1 + 1e-3)  # the rigorous bound holds at the scale returned
-    assert not _box_scale(x, shift, low, high, 1.5, 1e-3, 0.1, 1e6)[2]  # beyond the box: unreachable
+    assert not box_scale(x, shift, low, high, 1.5, 1e-3, 0.1, 1e6)[2]  # beyond the box: unreachable

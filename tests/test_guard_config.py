@@ -17,9 +17,9 @@ from flguard import Guard, GuardConfig
 from flguard.compare.config import CompareConfig, compare_fields
 from flguard.config import ConfigError
 from flguard.defenses.baselines import gaussian_mechanism_std
-from flguard.flower.dp import LocalDpConfig, localdp_run_config
+from flguard.simulation.localdp import LocalDpConfig, localdp_run_config
 from flguard.flower.guard_mod import guard_config_from_run_config, guard_run_config, prefixed_config
-from flguard.guard_config import (DEFENSES, DEFENSE_MODELS, AnyGuardConfig, EigenGuardConfig, ThresholdGuardConfig,
+from flguard.guard.config import (DEFENSES, DEFENSE_MODELS, AnyGuardConfig, EigenGuardConfig, ThresholdGuardConfig,
                                   all_guard_fields, defense_fields, parse_guard_config)
 from conftest import SIMULATIONS
 

@@ -170,12 +170,12 @@ def test_the_scale_grid_finds_a_narrow_window_where_a_boxed_sample_certifies():
     """Box [−1, 1], x = 0, Δx = 1 in every pixel, rtol 0.09, τ = 0.75: the certified error
     min(c, 1) − 0.09·c reaches τ(1 + 2·rtol) = 0.885 only for c in [0.973, 1.278]. Doubling from the
     linear scale (0.885, 1.77, …) steps over it; the exclusion's grid does not."""
-    from flguard.guard import _scales
-    from flguard.guard_exclusion import reachable_at
+    from flguard.guard.floor import scale_grid
+    from flguard.guard.exclusion import reachable_at
 
     x, shift = torch.zeros(1, 1, 4, 4), torch.ones(1, 16)
     bounds, tau, rtol = (torch.tensor(-1.0), torch.tensor(1.0)), 0.75, 0.09
     assert not bool(reachable_at(x, shift, bounds, 0.885, tau, rtol)[0])
     assert not bool(reachable_at(x, shift, bounds, 1.77, tau, rtol)[0])
-    inside = [c for c in _scales(shift, tau * (1 + 2 * rtol), 10.0) if bool(reachable_at(x, shift, bounds, c, tau, rtol)[0])]
+    inside = [c for c in scale_grid(shift, tau * (1 + 2 * rtol), 10.0) if bool(reachable_at(x, shift, bounds, c, tau, rtol)[0])]
     assert inside and all(0.97 <= c <= 1.28 for c in inside)

@@ -15,7 +15,7 @@ from torch import nn
 
 from flguard import Guard, GuardConfig
 from flguard.config import ConfigError
-from flguard.guard_config import DEFAULT_MAX_PSNR, DEFAULT_MIN_RMSE
+from flguard.guard.config import DEFAULT_MAX_PSNR, DEFAULT_MIN_RMSE
 from risk_reference import dense_jacobians
 
 MEAN, STD = (0.5, 0.4), (0.2, 0.3)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flguard.flower.guard_mod import round_metrics
-from flguard.guard_report import METRIC_KEYS, GuardReport, summarise
+from flguard.guard.report import METRIC_KEYS, GuardReport, summarise
 
 
 def _report(after, lb, met, noise, matvecs, seconds):

@@ -37,8 +37,8 @@ def test_contracts_are_kept():
 def test_a_forbidden_import_breaks_a_contract(tmp_path):
     shutil.copytree(ROOT / "flguard", tmp_path / "flguard", ignore=shutil.ignore_patterns("__pycache__"))
     closed_forms = tmp_path / "flguard" / "risk" / "closed_forms.py"
-    closed_forms.write_text(closed_forms.read_text() + "\nfrom flguard.guard_report import METRIC_KEYS  # noqa\n")
+    closed_forms.write_text(closed_forms.read_text() + "\nfrom flguard.guard.report import METRIC_KEYS  # noqa\n")
     result = _lint(tmp_path)
     assert result.returncode != 0, result.stdout
-    assert "BROKEN" in result.stdout and "flguard.risk.closed_forms -> flguard.guard_report" in result.stdout, \
+    assert "BROKEN" in result.stdout and "flguard.risk.closed_forms -> flguard.guard.report" in result.stdout, \
         result.stdout

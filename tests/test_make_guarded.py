@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from flguard import GuardConfig, GuardFailure, make_guarded
-from flguard.training import GuardMisuse
+from flguard.guard.training import GuardMisuse
 from risk_reference import dense_jacobians, dense_metrics
 from guard_settings import unclipped
 

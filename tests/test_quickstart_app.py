@@ -24,7 +24,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from conftest import importable_app
 from flguard.guard import Guard
-from flguard.guard_report import METRIC_KEYS
+from flguard.guard.report import METRIC_KEYS
 from flguard.risk.operator import JacobianOperator
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import flguard.guard as guard_module
+import flguard.guard.perturb as perturb_module
 from flguard import Guard, GuardConfig
 from flguard.risk.assess import i2f_solve_with_lambda_max
 from flguard.risk.krylov import preconditioned_cg, spectral_preconditioner
@@ -96,7 +96,7 @@ def test_on_a_conv_model_it_matches_dense_jacobians():
 
 @pytest.mark.parametrize("one_run", [True, False])
 def test_gaussian_guard_meets_the_floor_under_dense_recomputation(monkeypatch, one_run):
-    monkeypatch.setattr(guard_module, "LANCZOS_SOLVE", one_run)
+    monkeypatch.setattr(perturb_module, "LANCZOS_SOLVE", one_run)
     model, x, y = tiny_conv_problem(batch=4, seed=1)
     jac, g = dense_jacobians(model, x, y)
     tau = 0.2

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import flguard.guard as guard_module
+import flguard.guard.floor as floor_module
 from flguard import Guard, GuardConfig
 from flguard.risk.assess import i2f_solve
 from flguard.risk.krylov import conjugate_gradient, preconditioned_cg, spectral_preconditioner
@@ -83,7 +83,7 @@ def test_i2f_solve_with_ritz_pairs_on_a_model_matches_dense_jacobians():
 
 @pytest.mark.parametrize("defense", ["gaussian", "eigen"])
 def test_guard_with_pcg_meets_the_floor_under_dense_recomputation(monkeypatch, defense):
-    monkeypatch.setattr(guard_module, "PRECONDITION_CG", True)
+    monkeypatch.setattr(floor_module, "PRECONDITION_CG", True)
     model, x, y = _model_problem(batch=4, seed=1)
     jac, g = dense_jacobians(model, x, y)
     tau = 0.2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flguard.flower import task
+from flguard.simulation import task
 
 
 def test_public_examples_are_in_no_partition_and_the_rest_is_covered():

@@ -17,7 +17,7 @@ import torch
 
 from flguard.compare.config import CompareConfig
 from flguard.compare.tables import tau_of, write_csv
-from flguard.flower import task
+from flguard.simulation import task
 from flguard.risk import assess
 from flguard.risk.closed_forms import sigma_for_i2f_lb, unit_noise_i2f_lb
 from flguard.risk.operator import JacobianOperator

@@ -2,7 +2,7 @@
 
 A config says what to train (``[task]``), how the malicious server attacks (``[attack]``) and which
 defenses to compare (``[[defenses]]``, one Flower simulation each). ``run_config`` turns it into
-the run-config keys of ``flguard.flower.apps`` — the same keys ``flwr run simulations/ --run-config``
+the run-config keys of ``flguard.apps`` — the same keys ``flwr run simulations/ --run-config``
 takes, so one config drives the Ray simulation and the deployment engine alike.
 """
 
@@ -17,9 +17,9 @@ from typing import Any, Literal
 from pydantic import Field, create_model, field_validator, model_validator
 
 from flguard.config import ConfigError, StrictModel
-from flguard.flower.dp import LocalDpConfig, localdp_run_config
+from flguard.simulation.localdp import LocalDpConfig, localdp_run_config
 from flguard.flower.guard_mod import guard_run_config
-from flguard.guard_config import DEFENSES, GuardConfig, defense_fields, guard_config_model
+from flguard.guard.config import DEFENSES, GuardConfig, defense_fields, guard_config_model
 
 #: GuardConfig fields a comparison does not take: without ``acknowledge_unguarded``, ``on_unmet =
 #: "send"`` is refused, so a comparison never sends an update that missed its floor.
@@ -219,7 +219,7 @@ class CompareConfig(StrictModel):
                           f"(have {', '.join(d.name for d in self.defenses)})")
 
     def run_config(self, spec: DefenseSpec) -> dict[str, bool | float | int | str]:
-        """The run-config keys of ``flguard.flower.apps`` for one defense's run."""
+        """The run-config keys of ``flguard.apps`` for one defense's run."""
         task, attack = self.task, self.attack
         config: dict[str, bool | float | int | str] = {
             "num-server-rounds": task.rounds, "model": task.model, "dataset": task.dataset, "init": task.init,
@@ -257,7 +257,7 @@ class CompareConfig(StrictModel):
         (the one the clients' inputs went through) unless the config gives it."""
         values = spec.values()
         if spec.max_psnr is not None and (spec.pixel_mean is None or spec.pixel_std is None):
-            from flguard.flower.task import load_dataset
+            from flguard.simulation.task import load_dataset
 
             dataset = load_dataset(self.task.dataset)
             if len(dataset.std) != 1:

@@ -1,6 +1,6 @@
 """Run a comparison: one Flower simulation (Ray backend) per defense, then the merged tables and report.
 
-Every defense's run uses ``flguard.flower.apps`` through ``flwr.simulation.run_simulation`` — Flower's
+Every defense's run uses ``flguard.apps`` through ``flwr.simulation.run_simulation`` — Flower's
 own Simulation Engine — with the same seeds, partitions and initial model; only the defense's
 run-config keys differ. A run writes ``DIR/runs/<defense>/`` and, last, its ``summary.json``; a run
 directory whose summary matches the config is finished and is not redone (``resume``). A run that
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from flguard.compare.config import CompareConfig, DefenseSpec
-from flguard.flower.apps import SUMMARY_FILE, make_client_app, make_server_app
+from flguard.apps import SUMMARY_FILE, make_client_app, make_server_app
 
 RUNS_DIR = "runs"
 # (defense name, event, payload): events "start", "round", "attack", "done", "skip".

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from flguard.compare.config import CompareConfig
-from flguard.flower.apps import SUMMARY_FILE
+from flguard.apps import SUMMARY_FILE
 
 #: Fixed leading columns of rounds.csv (external checks read them); more follow.
 ROUND_COLUMNS = ("round", "defense", "client", "test_accuracy", "test_loss", "grad_norm", "noise_norm", "rel_noise",
@@ -164,7 +164,7 @@ def defense_rows(config: CompareConfig, name: str, directory: Path) -> list[dict
 
 def tau_of(config: CompareConfig, name: str) -> float | None:
     """The floor a defense is held to: its own τ, else the comparison's (largest) guard τ."""
-    from flguard.guard_config import GuardConfig, THRESHOLD_DEFENSES
+    from flguard.guard.config import GuardConfig, THRESHOLD_DEFENSES
 
     spec = config.defense(name)
     if spec.defense in THRESHOLD_DEFENSES:  # τ in input units, also for a floor given as max_psnr

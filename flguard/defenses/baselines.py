@@ -34,7 +34,7 @@ def pruning(ctx: DefenseContext) -> torch.Tensor:
 def gaussian_mechanism_std(sensitivity: float, epsilon: float, delta: float) -> float:
     """The Gaussian mechanism's noise std s = Δ·√(2 ln(1.25/δ))/ε for sensitivity Δ (Dwork & Roth,
     Thm A.1) — the rule of Flower's LocalDpMod. Written once: the guard's ``localdp`` defense and
-    ``flguard.flower.dp.LocalDpConfig.std`` both call it."""
+    ``flguard.simulation.localdp.LocalDpConfig.std`` both call it."""
     return sensitivity * math.sqrt(2 * math.log(1.25 / delta)) / epsilon
 
 

@@ -1,22 +1,20 @@
-"""Flower integration, client side: the guard's client mod and wrappers, the shared FL task, the
-client half of the truth channel.
+"""Flower integration, client side: the guard's client mod and wrappers — all a deployed client imports.
 
 - ``guard_mod(GuardConfig(...))`` + ``make_guarded(model, optimizer, criterion)`` (an unchanged
   ``loss.backward(); optimizer.step()`` loop) or ``guard_step(...)`` (hand-written loops): only
   guarded train updates leave the client
   (Message-API and ``client_fn`` apps; chains with Flower's LocalDpMod and SecAgg+ mods);
   ``GuardedNumPyClient`` does the same for a legacy ``NumPyClient``.
-- ``flguard.flower.task``: model, client partitions, local SGD and record helpers the apps share.
-- ``flguard.flower.truth``: ``record_batch``, the simulation-only channel leaving the true batch
-  for the simulated server to score (a no-op in deployment).
-- ``flguard.flower.apps``: the ClientApp and ServerApp every flguard run uses.
+- ``guard_mod_from_run_config``: the same mod configured from ``guard-<field>`` run-config keys.
 
-The malicious server lives in ``flguard.server``: importing this package loads no server code and
-no attack (a test checks ``sys.modules``), so a client pays for — and exposes — only its guard.
+Nothing of the simulation is on this path: the shared FL task and the channel that records a
+client's true batch for scoring live in ``flguard.simulation``, the ClientApp and ServerApp of
+flguard's own runs in ``flguard.apps``, the malicious server in ``flguard.server``. Importing this
+package loads none of them, nor any attack (a test checks ``sys.modules`` in a fresh interpreter).
 """
 
-from flguard.guard_config import GuardConfig
-from flguard.training import make_guarded
+from flguard.guard.config import GuardConfig
+from flguard.guard.training import make_guarded
 from flguard.flower.guard_mod import (
     GuardDropped,
     client_minimum,
@@ -29,7 +27,6 @@ from flguard.flower.guard_mod import (
     weaker_fields,
 )
 from flguard.flower.numpy_client import GuardedNumPyClient, UnguardedUpdate
-from flguard.flower.truth import TRUTH_DIR_KEY, TruthChannelRefused, in_simulation_runtime, record_batch
 
 __all__ = [
     "GuardConfig",
@@ -45,8 +42,4 @@ __all__ = [
     "UnguardedUpdate",
     "GuardDropped",
     "round_metrics",
-    "TRUTH_DIR_KEY",
-    "TruthChannelRefused",
-    "in_simulation_runtime",
-    "record_batch",
 ]

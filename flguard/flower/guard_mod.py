@@ -9,7 +9,7 @@ Adoption is two edits (see docs/guard.md):
 (or, for hand-written loops, ``grads = guard_step(model, x, y, grads)`` before each update).
 
 How it fits together: while a *train* message is handled, the mod opens a ``GuardSession``
-(``flguard.guard_session``); every guarded step — ``make_guarded``'s ``optimizer.step()`` or a
+(``flguard.guard.session``); every guarded step — ``make_guarded``'s ``optimizer.step()`` or a
 ``guard_step`` call — runs ``Guard.protect`` and files its report there, and every
 ``torch.optim.Optimizer.step()`` of the round is counted by a global optimizer hook. So
 multi-step local training is guarded per step and FedSGD (one step) is exact. After the handler
@@ -42,9 +42,9 @@ from torch import nn
 
 from flguard.guard import Guard, GuardFailure
 from flguard.config import ConfigError
-from flguard.guard_config import NONE_STRINGS, THRESHOLD_DEFENSES, GuardConfig, all_guard_fields
-from flguard.guard_report import METRIC_KEYS, GuardReport, summarise
-from flguard.guard_session import GuardSession, active_session, open_session
+from flguard.guard.config import NONE_STRINGS, THRESHOLD_DEFENSES, GuardConfig, all_guard_fields
+from flguard.guard.report import METRIC_KEYS, GuardReport, summarise
+from flguard.guard.session import GuardSession, active_session, open_session
 
 _LOG = logging.getLogger("flguard")
 

@@ -17,8 +17,8 @@ from flwr.client import NumPyClient
 
 from flguard.flower.guard_mod import round_metrics, session_problem
 from flguard.guard import Guard
-from flguard.guard_config import GuardConfig
-from flguard.guard_session import open_session
+from flguard.guard.config import GuardConfig
+from flguard.guard.session import open_session
 
 
 class UnguardedUpdate(RuntimeError):

@@ -17,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-#: Channels per GroupNorm group at most (see ``flguard.guard_model.MAX_GROUPS``; kept equal).
+#: Channels per GroupNorm group at most (see ``flguard.guard.model_check.MAX_GROUPS``; kept equal).
 GROUPS = 32
 
 

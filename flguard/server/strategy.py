@@ -40,8 +40,8 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.result import Result
 from torch import nn
 
-from flguard.flower.task import LOCAL_STEPS_KEY
-from flguard.flower.truth import TruthChannelRefused
+from flguard.simulation.task import LOCAL_STEPS_KEY
+from flguard.simulation.truth import TruthChannelRefused
 from flguard.server.results import ResultWriter
 from flguard.server.runner import AttackRunner, CapturedUpload
 from flguard.server.scoring import Scorer

@@ -1,6 +1,6 @@
 """The server half of the simulation-only true-batch channel: read what simulated clients left.
 
-The channel exists only to *score* reconstructions in simulations (see ``flguard.flower.truth``,
+The channel exists only to *score* reconstructions in simulations (see ``flguard.simulation.truth``,
 the client half, for why it cannot leak in deployment). ``TruthReader(directory, grid)`` refuses to
 exist unless the ServerApp's grid is Flower's ``InMemoryGrid`` — only the simulation runtime
 creates one — and then returns each (run, round, node)'s ``TrueBatch``, deleting the file by
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from flguard.flower.truth import TruthChannelRefused, truth_path
+from flguard.simulation.truth import TruthChannelRefused, truth_path
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
-from flguard.flower.task import BATCH_SIZE_KEY, LOCAL_STEPS_KEY, LR_KEY
+from flguard.simulation.task import BATCH_SIZE_KEY, LOCAL_STEPS_KEY, LR_KEY
 
 # The two kinds of attack (the ``attack_target`` of a result row): an upload the server asked its
 # victim for (e.g. one sample, one FedSGD step) and an honest client's real upload under the task's

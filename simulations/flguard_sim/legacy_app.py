@@ -3,7 +3,7 @@
 Why it exists: many Flower apps still use ``client_fn`` + ``NumPyClient`` and the legacy
 ``DefaultWorkflow``, which is also where Flower 1.41's SecAgg+ lives (``secaggplus_mod`` on the
 client, ``SecAggPlusWorkflow`` on the server). ``TaskClient.fit`` trains with
-``flguard.flower.task.local_sgd``, which calls ``guard_step`` on every local step, so the guard works
+``flguard.simulation.task.local_sgd``, which calls ``guard_step`` on every local step, so the guard works
 either as an app-wide ``guard_mod`` (in either order with ``secaggplus_mod``) or by wrapping the
 client in ``GuardedNumPyClient``. The tests run both through Flower's Ray simulation.
 """

@@ -1,10 +1,10 @@
 """The ServerApp: FedAvg on the shared task, wrapped by ``MaliciousServer`` when ``malicious = true``.
 
-The app itself lives in ``flguard.flower.apps``. Results (attack rows, reconstruction grids, the
+The app itself lives in ``flguard.apps``. Results (attack rows, reconstruction grids, the
 run summary) go to ``out-dir``; see docs/malicious-server.md.
 """
 
-from flguard.flower.apps import LoggedFedAvg, ServerSettings, build_strategy, make_server_app, run_server
+from flguard.apps.server import LoggedFedAvg, ServerSettings, build_strategy, make_server_app, run_server
 
 app = make_server_app()
 

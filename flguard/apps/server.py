@@ -1,19 +1,10 @@
-"""The Flower apps every flguard run uses: a ClientApp and a ServerApp built on ``flguard.flower.task``.
+"""The ServerApp of flguard's runs: FedAvg that logs every reply, wrapped by the malicious server.
 
-Both read one run config (``[tool.flwr.app.config]`` of ``simulations/pyproject.toml``, a
-``flwr run --run-config`` string, or the ``overrides`` mapping that in-process simulations pass,
-because ``flwr.simulation.run_simulation`` has no run config). ``simulations/flguard_sim`` is a thin
-Flower App project over these factories, and ``flguard compare`` runs them once per defense.
-
-Client side: the train handler runs ``task.handle_train`` (local SGD, ``guard_step`` on every step);
-the defenses attach as mods from the same config: ``guard-<field>`` keys configure the guard
-(``flguard.flower.guard_mod``), ``localdp-<field>`` keys Flower's own ``LocalDpMod``.
-
-Server side: FedAvg that logs every reply (``LoggedFedAvg``), wrapped by
-``flguard.server.MaliciousServer`` when ``malicious = true``. With an ``out-dir`` it writes
-``summary.json`` (per-reply metrics, attack rows, the run config) at the end: a run directory with
-``summary.json`` is a finished run. The server package is imported inside the server functions
-only, so that a ClientApp built from this module loads no server code and no attack.
+``LoggedFedAvg`` keeps each reply's metrics; with ``malicious = true`` it is wrapped by
+``flguard.server.MaliciousServer`` (attacks, fishing, scoring against the simulation's true
+batches). With an ``out-dir`` it writes ``summary.json`` (per-reply metrics, attack rows, the run
+config) at the end: a run directory with ``summary.json`` is a finished run. Settings come from the
+same run config as the ClientApp's (``ServerSettings``; unknown keys are the task's or the guard's).
 """
 
 from __future__ import annotations
@@ -24,22 +15,19 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
 from flwr.app import ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
-from flwr.clientapp.typing import ClientAppCallable, Mod
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, Strategy
 from flwr.serverapp.strategy.result import Result
 
-from flguard.flower import task
-from flguard.flower.dp import localdp_mod_from_config
-from flguard.flower.guard_mod import guard_mod_from_run_config, prefixed_config
-from flguard.flower.truth import TRUTH_DIR_KEY, resolve_path
-
-if TYPE_CHECKING:
-    from flguard.server import AttackSpec, TargetSelector
+from flguard.attacks.api import hyperparameters_of
+from flguard.flower.guard_mod import prefixed_config
+from flguard.server import AttackSpec, Fishing, MaliciousServer, TargetSelector, upload_attack_from_config
+from flguard.simulation import task
+from flguard.simulation.truth import resolve_path
 
 log = logging.getLogger(__name__)
 
@@ -86,55 +74,6 @@ def merged_config(context: Context, overrides: Mapping[str, Any] | None) -> dict
     return {**dict(context.run_config), **dict(overrides or {})}
 
 
-# ---- client ------------------------------------------------------------------------------
-def config_mods(overrides: Mapping[str, Any] | None = None) -> list[Mod]:
-    """The defenses the config asks for, outermost first: the guard, then Flower's LocalDpMod.
-
-    Both are inert unless their keys are set (``guard-defense``; ``localdp-epsilon``).
-    """
-    return [_with_overrides(guard_mod_from_run_config(), overrides),
-            _with_overrides(localdp_mod_from_config(), overrides)]
-
-
-def _with_overrides(mod: Mod, overrides: Mapping[str, Any] | None) -> Mod:
-    if not overrides:
-        return mod
-
-    def wrapped(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
-        view = Context(run_id=context.run_id, node_id=context.node_id, node_config=context.node_config,
-                       state=context.state, run_config={**dict(context.run_config), **dict(overrides)})
-        return mod(message, view, lambda m, _: call_next(m, context))
-
-    return wrapped
-
-
-def make_client_app(overrides: Mapping[str, Any] | None = None, mods: Sequence[Mod] | None = None) -> ClientApp:
-    """A ClientApp whose settings are the run config updated by ``overrides``.
-
-    ``mods=None`` attaches the defenses the config asks for (``config_mods``); pass a list to choose
-    them yourself (``[]`` for none). ``overrides`` may enable the simulation-only true-batch channel
-    with ``sim-truth-dir``.
-    """
-    overrides = dict(overrides or {})
-    app = ClientApp(mods=config_mods(overrides) if mods is None else list(mods))
-
-    @app.train()
-    def train(message: Message, context: Context) -> Message:
-        settings = task.settings_from(context, overrides)
-        return task.handle_train(message, context, settings, truth_dir=overrides.get(TRUTH_DIR_KEY) or None)
-
-    @app.evaluate()
-    def evaluate(message: Message, context: Context) -> Message:
-        return task.handle_evaluate(message, context, task.settings_from(context, overrides))
-
-    @app.query()
-    def query(message: Message, context: Context) -> Message:
-        return task.handle_query(message, context, task.settings_from(context, overrides))
-
-    return app
-
-
-# ---- server ------------------------------------------------------------------------------
 def _reply_metrics(reply: Message) -> dict[str, Any]:
     if reply.has_error():
         return {"error": reply.error.reason}
@@ -213,9 +152,6 @@ def attack_hyperparameters(config: Mapping[str, Any]) -> dict[str, Any]:
 def attack_specs(settings: ServerSettings, hyperparameters: Mapping[str, Any], seed: int) -> list[AttackSpec]:
     """One AttackSpec per method of ``attack-method`` ("gs" or "gs,dlg"); ``attack-iterations`` gives one
     count for all or one per method; each method gets the hyperparameters it accepts."""
-    from flguard.attacks.api import hyperparameters_of
-    from flguard.server import AttackSpec
-
     methods = [m.strip() for m in str(settings.attack_method).split(",") if m.strip()]
     counts = [int(c) for c in str(settings.attack_iterations).split(",") if c.strip()]
     if len(counts) == 1:
@@ -247,14 +183,10 @@ def build_strategy(settings: ServerSettings, task_settings: task.TaskSettings, *
                                       min_available_nodes=settings.min_nodes)
     if not settings.malicious:
         return strategy
-    from flguard.server import Fishing, MaliciousServer, upload_attack_from_config
-
     dataset = task.load_dataset(task_settings.dataset)
     specs = attack_specs(settings, attack_hyperparameters(config or {}), seed=task_settings.seed)
     device = settings.attack_device
     if device == "auto":
-        import torch
-
         device = "cuda" if torch.cuda.is_available() else None
     return MaliciousServer(strategy, model_fn=functools.partial(task.make_model, task_settings),
                            input_shape=dataset.shape, attacks=specs, out_dir=resolve_path(settings.out_dir),
@@ -284,8 +216,6 @@ def run_server(grid: Grid, context: Context, overrides: Mapping[str, Any] | None
     model = task.initial_model(task_settings)
     result = strategy.start(grid=grid, initial_arrays=task.to_arrays(model), num_rounds=settings.num_server_rounds,
                             timeout=settings.round_timeout, train_config=task_settings.train_config())
-    from flguard.server import MaliciousServer
-
     if isinstance(strategy, MaliciousServer):
         logged = strategy.strategy
         summary = {"rounds": settings.num_server_rounds, "attack_rows": len(strategy.results),

@@ -15,7 +15,7 @@ reads for it:
   the box in which the floor they *promise* is verified;
 * ``eigen`` and ``auto`` (which falls back on eigen): ``subspace_size``, ``krylov_steps``, ``gaussian_floor``; ``fixed-gaussian``: ``sigma``;
   ``pruning``: ``keep_ratio``; ``localdp``: Flower's LocalDpMod arguments ``clipping_norm``,
-  ``sensitivity``, ``epsilon``, ``delta`` (``LocalDpConfig``, shared with ``flguard.flower.dp``).
+  ``sensitivity``, ``epsilon``, ``delta`` (``LocalDpConfig``, shared with ``flguard.simulation.localdp``).
 
 ``AnyGuardConfig`` is the same choice as a pydantic discriminated union (for fields of other
 models), ``parse_guard_config`` builds one from a mapping (TOML, run config), and
@@ -114,7 +114,7 @@ class LocalDpConfig(StrictModel):
     """The arguments of Flower's ``LocalDpMod``: clip to ``clipping_norm``, then Gaussian noise of std
     ``gaussian_mechanism_std(sensitivity, epsilon, delta)`` = sensitivity·√(2 ln(1.25/δ))/ε.
 
-    One meaning of "localdp": ``flguard.flower.dp`` passes these to Flower's mod (on the model update),
+    One meaning of "localdp": ``flguard.simulation.localdp`` passes these to Flower's mod (on the model update),
     the guard's ``localdp`` defense (``LocalDpGuardConfig``) applies the same rule to each step's
     gradient, with the same names."""
 
@@ -287,7 +287,7 @@ class ThresholdGuardConfig(GuardConfig):
     budget allows (with the box, a sample whose predicted shift points out of it keeps a small
     clipped error at any noise). Up to this share of the batch, such samples are left out of the
     step — their gradients are not in the update, which then carries nothing of them — and the
-    others are guarded as usual (``flguard.guard_exclusion``); beyond it, ``on_unmet`` applies.
+    others are guarded as usual (``flguard.guard.exclusion``); beyond it, ``on_unmet`` applies.
     """
 
     defense: Literal["auto", "gaussian", "eigen"] = DEFAULT_DEFENSE

@@ -26,7 +26,7 @@ from torch import nn
 
 from flguard.data import ImageDataset, load, partition
 from flguard.flower.guard_mod import guard_step
-from flguard.flower.truth import record_batch
+from flguard.simulation.truth import record_batch
 from flguard.models import create
 
 # Keys of the train ConfigRecord the server sends (FedAvg adds "server-round" itself).
@@ -289,7 +289,7 @@ def handle_train(message: Message, context: Context, settings: TaskSettings, *,
     """The whole client train step: load θ0, run local SGD on this node's partition, reply θK.
 
     ``truth_dir`` (or the run-config key ``sim-truth-dir``) hands the true batch to a simulated
-    malicious server through ``flguard.flower.truth`` — a no-op outside simulations.
+    malicious server through ``flguard.simulation.truth`` — a no-op outside simulations.
     """
     settings = settings.with_train_config(message.content.config_records.get(CONFIG_KEY))
     partition_id, count = node_partition(context.node_config, settings)

@@ -23,8 +23,8 @@ from flwr.clientapp.mod import LocalDpMod
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
 from flguard.flower.guard_mod import error_reply, prefixed_config
-from flguard.flower.task import LOCAL_STEPS_KEY, LR_KEY
-from flguard.guard_config import LocalDpConfig  # the same fields (and std formula) as the guard's localdp
+from flguard.simulation.task import LOCAL_STEPS_KEY, LR_KEY
+from flguard.guard.config import LocalDpConfig  # the same fields (and std formula) as the guard's localdp
 
 DP_METRIC_KEYS = ("dp_noise_norm", "dp_rel_noise")
 __all__ = ["LocalDpConfig", "measured_local_dp", "localdp_mod_from_config", "localdp_run_config", "DP_METRIC_KEYS"]

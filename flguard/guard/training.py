@@ -37,10 +37,10 @@ import torch
 from torch import nn
 
 from flguard.guard import Guard, GuardFailure
-from flguard.guard_config import GuardConfig
-from flguard.guard_model import STRUCTURAL, UnsupportedModel, require_supported
-from flguard.guard_report import GuardReport
-from flguard.guard_session import active_session
+from flguard.guard.config import GuardConfig
+from flguard.guard.model_check import STRUCTURAL, UnsupportedModel, require_supported
+from flguard.guard.report import GuardReport
+from flguard.guard.session import active_session
 
 #: ‖.grad − ∇θ criterion(model(x), y)‖ ≤ this × ‖∇θ …‖ (+ a tiny absolute slack) counts as "the same
 #: loss": the recomputation runs the same operations on the same data, so only float reordering differs.

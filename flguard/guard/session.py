@@ -24,7 +24,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from flguard.guard import Guard
-from flguard.guard_report import GuardReport
+from flguard.guard.report import GuardReport
 
 
 @dataclass

@@ -1,0 +1,45 @@
+"""Why a guarded step failed: the ``GuardFailure`` error, a failure as the reply's reason, and the
+reason for a server-made dead network (``SUSPICIOUS``).
+
+Every failure ends in the guard's fail-closed policy (``flguard.guard.engine``); these name it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flguard.risk.assess import jacobian_product
+from flguard.risk.operator import Jacobian
+
+
+class GuardFailure(RuntimeError):
+    """Measuring or perturbing failed; the message is the reply's reason."""
+
+
+def failure_reason(error: Exception) -> str:
+    """A failure as the reply's reason: a GuardFailure's message, anything else with its type."""
+    return str(error) if isinstance(error, GuardFailure) else f"{type(error).__name__}: {error}"
+
+
+#: The reason's prefix when the parameters the server sent leave nothing to certify (denial of service).
+SUSPICIOUS = "suspicious parameters"
+
+
+def dead_network_reason(op: Jacobian | None, generator: torch.Generator) -> str | None:
+    """The reason for a server-made dead network, or None: after a failed step, one product J·z on a
+    random parameter direction z — zero for every sample (almost surely only if every J_i = 0) means
+    the inputs do not move the gradient at all, e.g. a layer whose ReLUs the server's biases killed.
+    Nothing of the images leaks then (the update holds only label terms), but no floor can be
+    certified either: the reply says so, instead of a solver's failure round after round."""
+    if op is None:
+        return None
+    try:
+        probe = torch.randn(op.dtheta, generator=generator, device=op.device, dtype=op.dtype)
+        moved = jacobian_product(op, probe).norm(dim=1)
+    except Exception:  # the step's limit, or the failure itself: keep the original reason
+        return None
+    if bool((moved > 0).any()):
+        return None
+    return (f"{SUSPICIOUS}: no sample's input moves its gradient (every per-sample Jacobian is zero: a dead "
+            "network, e.g. biases that switch a layer's ReLUs off); nothing can be certified, so the client "
+            "withholds — a server that sends such parameters is denying service")

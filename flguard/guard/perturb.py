@@ -1,0 +1,130 @@
+"""Perturbing one step: the configured defense's noise direction, calibrated to the floor.
+
+``Perturber.perturb`` runs the configured kind on the step's (clipped) operator: a threshold defense
+(``gaussian``, ``eigen``) scaled by ``flguard.guard.floor``; ``auto`` tries them in turn on the same
+operator; a baseline (``localdp``, pruning, …) applies its fixed rule and reports the I²F it leaves.
+It raises ``GuardFailure`` on anything it cannot certify; the engine turns that into its policy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flguard.defenses import BASELINES, DefenseContext
+from flguard.defenses.gaussian import isotropic
+from flguard.guard.config import THRESHOLD_DEFENSES, GuardConfig
+from flguard.guard.failure import GuardFailure, failure_reason
+from flguard.guard import floor  # its PRECONDITION_CG and SOLVER_MAX_ITER read at call time (tests and benchmarks set them)
+from flguard.guard.floor import FloorCalibrator, Outcome, checked_solve, noise_budget, rmse_lb
+from flguard.risk.assess import i2f_norms, i2f_solve_with_lambda_max
+from flguard.risk.closed_forms import to_rmse
+from flguard.risk.operator import Jacobian
+from flguard.risk.regularised import RegularisedK
+
+#: The calibrated Gaussian's noise direction does not depend on K's spectrum, so its λmax (for ε)
+#: and its I²F solve come from one Lanczos run per sample started at J_iz
+#: (``flguard.risk.lanczos_solve``) instead of a Lanczos run and then PCG: the same certificate
+#: (true-residual bound ‖r‖/ε ≤ rtol‖x‖, ε from λmax's own residual test), about a third fewer
+#: Jacobian products (docs/results.md "One Lanczos run for λmax and the solve"). False: as before.
+LANCZOS_SOLVE = True
+
+
+#: ``defense="auto"`` (the default): the calibrated Gaussian first — isotropic noise, one Lanczos
+#: run per sample — and, when it needs more than the budget, noise aimed at the samples' weak
+#: directions (eigen), which needs far less of it where the parameters outnumber the inputs: on the
+#: trained ResNet-20-GN at B = 8 the Gaussian needed 54–663 C and sent 0 of 5 steps, eigen 5 of 5
+#: (docs/results.md, "The guard on the models practitioners train").
+AUTO_ORDER = ("gaussian", "eigen")
+#: ``auto`` reuses what a step learnt: when the Gaussian needed more than AUTO_SKIP_FACTOR × the budget,
+#: the next AUTO_SKIP_STEPS steps go straight to eigen (the model moves little from one step to the
+#: next; every kind still verifies its own floor, so skipping only saves the Gaussian's products).
+AUTO_SKIP_FACTOR = 2.0
+AUTO_SKIP_STEPS = 8
+
+
+class Perturber:
+    """The guard's defense on one step after another; ``auto`` remembers across steps when the
+    Gaussian was far over budget (AUTO_SKIP_STEPS)."""
+
+    def __init__(self, config: GuardConfig) -> None:
+        self.config = config
+        self._skip_gaussian = 0  # auto: steps left that start with eigen (AUTO_SKIP_STEPS)
+
+    def perturb(self, op: Jacobian, flat: torch.Tensor, clip: float | None, generator: torch.Generator,
+                kind: str | None = None) -> Outcome:
+        """The configured defense's outcome on this step (``kind``: the threshold defense to apply
+        instead, for ``auto``)."""
+        cfg = self.config
+        kind = kind or cfg.defense
+        if kind == "auto":
+            return self._auto(op, flat, clip, generator)
+        eigen = kind == "eigen"
+        lanczos_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=flat.device))
+        if kind == "gaussian" and LANCZOS_SOLVE and cfg.floor > 0:
+            return self._gaussian_in_one_run(op, flat, clip, generator, lanczos_seed)
+        spectrum = RegularisedK(op).lanczos(rtol=cfg.rtol, ends="max", min_iter=cfg.krylov_steps if eigen else 0,
+                                            max_iter=max(floor.SOLVER_MAX_ITER, cfg.krylov_steps if eigen else 0),
+                                            return_vectors=eigen or floor.PRECONDITION_CG, seed=lanczos_seed)
+        if not bool(spectrum.converged.all()):
+            raise GuardFailure("λmax did not converge within the Lanczos limit")
+        lambda_max = spectrum.lambda_max
+        eps = cfg.eps * lambda_max if cfg.eps_mode == "relative" else torch.full_like(lambda_max, cfg.eps)
+        ctx = DefenseContext(op, flat, eps, lambda_max, generator, cfg, spectrum=spectrum)
+        if kind in THRESHOLD_DEFENSES:
+            return FloorCalibrator(cfg, clip).meet(ctx, kind=kind)
+        noise = BASELINES[cfg.defense](ctx) - flat
+        i2f, jd, converged = i2f_norms(op, noise, eps, cfg.rtol) if noise.any() else _zeros(op, flat)
+        if not bool(converged.all()):
+            raise GuardFailure("I2F solve did not converge")
+        rmse = to_rmse(i2f, op.dx)
+        met = bool((rmse >= cfg.floor).all())
+        return Outcome(noise, rmse, rmse_lb(jd, lambda_max, op.dx), eps, met,
+                       "" if met else "baseline misses min_rmse", dict(ctx.info))
+
+    def _gaussian_in_one_run(self, op: Jacobian, flat: torch.Tensor, clip: float | None, generator: torch.Generator,
+                             seed: int) -> Outcome:
+        """The calibrated Gaussian with λmax and the I2F solve of its draw z from one Lanczos run
+        per sample (``LANCZOS_SOLVE``), then scaled to the floor exactly as ``FloorCalibrator.meet`` does."""
+        cfg = self.config
+        direction = isotropic(op.dtheta, generator, flat)  # gaussian_direction's draw, before ε exists
+        shift, jd, converged, lambda_max, eps, lambda_ok = i2f_solve_with_lambda_max(
+            op, direction.vector, cfg.eps, cfg.eps_mode == "relative", cfg.rtol, seed=seed, max_iter=floor.SOLVER_MAX_ITER)
+        if not bool(lambda_ok.all()) and cfg.max_excluded <= 0:  # else such a sample is one to leave out
+            raise GuardFailure("λmax did not converge within the Lanczos limit")
+        ctx = DefenseContext(op, flat, eps, lambda_max, generator, cfg)
+        solved = checked_solve(shift, jd, converged, allow_unusable=cfg.max_excluded > 0)
+        return FloorCalibrator(cfg, clip).meet(ctx, (direction, solved), kind="gaussian")
+
+    def _auto(self, op: Jacobian, flat: torch.Tensor, clip: float | None,
+              generator: torch.Generator) -> Outcome:
+        """``auto``: each of AUTO_ORDER in turn on the same operator (its products count against the
+        same step limit) until one meets the floor within the budget; the last one's outcome otherwise.
+        The report's details name the one that was sent (``defense_used``)."""
+        reasons, order = [], AUTO_ORDER
+        if self._skip_gaussian > 0:
+            self._skip_gaussian -= 1
+            order = tuple(kind for kind in AUTO_ORDER if kind != "gaussian")
+            reasons.append(f"gaussian: skipped (it needed over {AUTO_SKIP_FACTOR:g}× the budget within the last "
+                           f"{AUTO_SKIP_STEPS} steps)")
+        for kind in order:
+            try:
+                outcome = self.perturb(op, flat, clip, generator, kind)
+            except Exception as failure:  # the next kind may still certify; every kind verifies its own floor
+                outcome = None
+                reasons.append(f"{kind}: {failure_reason(failure)}")
+                continue
+            outcome.info["defense_used"] = kind
+            if outcome.met:
+                return outcome
+            reasons.append(f"{kind}: {outcome.reason}")
+            if kind == "gaussian" and float(outcome.noise.norm()) > AUTO_SKIP_FACTOR * noise_budget(flat, self.config, clip):
+                self._skip_gaussian = AUTO_SKIP_STEPS
+        if outcome is None:
+            raise GuardFailure("; ".join(reasons))
+        outcome.reason = "; ".join(reasons)
+        return outcome
+
+
+def _zeros(op: Jacobian, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    zeros = torch.zeros(op.batch_size, dtype=flat.dtype, device=flat.device)
+    return zeros, zeros, torch.ones(op.batch_size, dtype=torch.bool, device=flat.device)

@@ -5,7 +5,7 @@ least τ. Here the promise is measured: FedSGD uploads of B = 1 and B = 8 sample
 the ``gaussian`` and ``eigen`` defenses at several τ, and the server attacks what was sent —
 DLG, GS, and for B = 1 (invertible activations) R-GAP and the hybrid attack — with the true labels.
 Per sample, the best attack is the one with the lowest RMSE to the truth (model-input units,
-Hungarian-matched for B = 8 as ``flguard.flower.malicious.score_batch`` does); the promise is
+Hungarian-matched for B = 8 as ``flguard.server.score_batch`` does); the promise is
 kept for that sample when this RMSE ≥ τ. The adaptive attacker (``flguard.attacks.adaptive``,
 knowing the defense) is scored on its own line, and against all attacks together.
 

@@ -9,7 +9,8 @@ from flwr.clientapp import ClientApp
 from flwr.supercore.task_identity import TaskIdentity
 
 from flguard import GuardConfig
-from flguard.flower import guard_mod, guard_step, task
+from flguard.flower import guard_mod, guard_step
+from flguard.simulation import task
 from flguard.guard.report import METRIC_KEYS
 from guard_settings import unclipped
 

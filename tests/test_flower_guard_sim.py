@@ -20,7 +20,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 from flguard import GuardConfig
-from flguard.flower import guard_mod, task
+from flguard.flower import guard_mod
+from flguard.simulation import task
 from flguard.guard.report import METRIC_KEYS
 from guard_settings import unclipped
 

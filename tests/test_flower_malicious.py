@@ -19,7 +19,7 @@ import pytest
 import torch
 from flwr.app import Context, RecordDict
 
-from flguard.flower import TRUTH_DIR_KEY, TruthChannelRefused, in_simulation_runtime, record_batch, task
+from flguard.simulation import TRUTH_DIR_KEY, TruthChannelRefused, in_simulation_runtime, record_batch, task
 from flguard.server import AttackSpec, MaliciousServer, TrueBatch, TruthReader, delta_to_gradient
 from flguard.server.uploads import UPLOAD, UploadAttack, upload_attack_from_config
 from flguard.server.victims import first_clients, honest_targets

@@ -179,7 +179,7 @@ class GuardConfig(StrictModel):
     clip_per_sample: float | Literal["median"] | None = Field(
         None, description="C: clip each sample's gradient to norm C before the floor (the guard measures the "
         "clipped map); max_rel_noise is then relative to C. 'median': C = the median of the batch's per-sample "
-        "gradient norms, each step (flguard.guard.clip_level); None: no clipping, the budget relative to ‖gradient‖; "
+        "gradient norms, each step (flguard.guard.engine.clip_level); None: no clipping, the budget relative to ‖gradient‖; "
         "gaussian, eigen: 'median' by default")
     on_unmet: Literal["drop", "max-noise", "send"] = "drop"
     acknowledge_unguarded: bool = Field(False, description="required with on_unmet='send'")
@@ -350,7 +350,7 @@ class EigenGuardConfig(ThresholdGuardConfig):
 
 class AutoGuardConfig(EigenGuardConfig):
     """``auto`` (the default): the calibrated Gaussian, and eigen's aimed noise (its fields) on a step
-    where the Gaussian would need more than the budget (``flguard.guard.AUTO_ORDER``)."""
+    where the Gaussian would need more than the budget (``flguard.guard.perturb.AUTO_ORDER``)."""
 
     defense: Literal["auto"] = "auto"
 

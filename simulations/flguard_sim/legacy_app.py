@@ -26,7 +26,8 @@ from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 from flwr.serverapp import Grid, ServerApp
 
 from flguard import GuardConfig
-from flguard.flower import GuardedNumPyClient, task
+from flguard.flower import GuardedNumPyClient
+from flguard.simulation import task
 
 
 def _ndarrays(model: torch.nn.Module) -> list[np.ndarray]:

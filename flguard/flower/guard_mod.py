@@ -45,6 +45,7 @@ from flguard.config import ConfigError
 from flguard.guard.config import NONE_STRINGS, THRESHOLD_DEFENSES, GuardConfig, all_guard_fields
 from flguard.guard.report import METRIC_KEYS, GuardReport, summarise
 from flguard.guard.session import GuardSession, active_session, open_session
+from flguard.flower.round_check import suspicious_round
 
 _LOG = logging.getLogger("flguard")
 
@@ -94,6 +95,10 @@ def error_reply(message: Message, reason: str) -> Message:
 def _guarded_call(guard: Guard, message: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Run the train handler inside a guard session and vet its reply (see module doc)."""
     secagg_control = _is_secagg_control(message)  # before call_next: secaggplus_mod pops the stage
+    if guard.config.max_param_jump is not None and not secagg_control:
+        suspicious = suspicious_round(message, context, guard.config.max_param_jump)
+        if suspicious:  # before any training: nothing of this round is computed, let alone sent
+            return error_reply(message, suspicious)
     with open_session(guard) as session:
         try:
             reply = call_next(message, context)
@@ -205,8 +210,9 @@ def weaker_fields(candidate: GuardConfig, minimum: GuardConfig) -> list[str]:
 
     A floor is lower when the defense promises none (``none`` and the baselines), when τ is smaller
     (``min_rmse``; ``max_psnr`` higher), when the box-aware floor is dropped (``input_bounds``), when ε
-    is smaller (a smaller ε lets less noise meet the same τ) or when a missed floor may be sent
-    (``on_unmet``)."""
+    is smaller (a smaller ε lets less noise meet the same τ), when a missed floor may be sent
+    (``on_unmet``) or when the client's up-front check of the parameters is dropped or relaxed
+    (``max_param_jump``)."""
     problems = []
     if minimum.defense in THRESHOLD_DEFENSES and candidate.defense not in THRESHOLD_DEFENSES:
         problems.append(f"defense={candidate.defense!r} promises no floor (client minimum: {minimum.defense!r})")
@@ -224,6 +230,10 @@ def weaker_fields(candidate: GuardConfig, minimum: GuardConfig) -> list[str]:
         problems.append(f"eps_mode={candidate.eps_mode!r} differs from the client's {minimum.eps_mode!r}")
     elif candidate.eps < minimum.eps:
         problems.append(f"eps={candidate.eps} is below the client's eps={minimum.eps}")
+    if minimum.max_param_jump is not None and (candidate.max_param_jump is None
+                                               or candidate.max_param_jump > minimum.max_param_jump):
+        problems.append(f"max_param_jump={candidate.max_param_jump} is laxer than the client's "
+                        f"max_param_jump={minimum.max_param_jump}")
     if candidate.on_unmet != minimum.on_unmet and minimum.on_unmet == "drop":
         problems.append(f"on_unmet={candidate.on_unmet!r} would send updates the client withholds ('drop')")
     return problems

@@ -239,3 +239,29 @@ def test_fished_replies_are_attacked_and_never_aggregated(tmp_path: Path, simula
     for round_ in (1, 2):
         assert {r["node_id"] for r in fished if r["round"] == round_}.isdisjoint(
             {r["node_id"] for r in passive if r["round"] == round_})
+
+
+def test_clients_with_max_param_jump_refuse_fished_rounds_up_front(tmp_path: Path, simulation_apps) -> None:
+    """3 clients × 3 rounds of a fishing server against guarded clients that check the parameters
+    (``guard-max-param-jump``), in Flower's Ray simulation: every fished round is refused with
+    'suspicious parameters' before training — the first one too (the fished biases are out of scale
+    with the model; no history needed) — so the attacker gets no fished upload, while every honest
+    round trains, guarded, with the context state of its last rounds carried between rounds."""
+    make_client_app, make_server_app = simulation_apps
+    out_dir = tmp_path / "results"
+    overrides = {"num-server-rounds": 3, "batch-size": 8, "local-steps": 1, "lr": 0.05, "model": "cnn",
+                 "init": "default", "attack-method": "dlg", "attack-iterations": 2, "attack-restarts": 1,
+                 "round-timeout": 600.0, "attack-targets": 1, "attack-fishing": "class", "min-nodes": 3,
+                 "guard-defense": "gaussian", "guard-max-param-jump": 100.0, "out-dir": str(out_dir)}
+    _simulate(make_server_app(overrides), make_client_app(overrides), 3)
+
+    summary = json.loads((out_dir / "summary.json").read_text())
+    fished = {int(r): replies for r, replies in summary["fished_replies"].items()}
+    assert sorted(fished) == [1, 2, 3] and all(len(replies) == 1 for replies in fished.values())
+    for replies in fished.values():
+        (reply,) = replies.values()
+        assert "suspicious parameters" in reply.get("error", "") and "median tensor" in reply["error"], reply
+    honest = [reply for replies in summary["train_replies"].values() for reply in replies.values()]
+    assert len(honest) == 6 and all("error" not in reply and reply["guard_met"] == 1.0 for reply in honest), honest
+    rows = [json.loads(line) for line in (out_dir / "attacks.jsonl").read_text().splitlines()]
+    assert rows and not [row for row in rows if row["attack_target"] == "fishing"]

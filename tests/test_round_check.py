@@ -14,7 +14,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from flguard import GuardConfig
 from flguard.flower import guard_mod, weaker_fields
-from flguard.flower.round_check import MODEL_KEY, parameter_jumps, tensor_scales
+from flguard.flower.round_check import MODEL_KEY, outlier_tensors, parameter_jumps, tensor_scales
 from flguard.guard.failure import SUSPICIOUS
 from flguard.server.fishing import fish_class
 from flguard.simulation import task
@@ -42,6 +42,7 @@ def test_jumps_are_the_change_of_each_tensors_rms_in_units_of_its_scale_or_the_m
     assert jumps["w"] == pytest.approx(1.0)  # |2 − 1| / max(1, 0.5)
     assert jumps["b"] == pytest.approx(0.3 / 0.5)  # a zero tensor is measured in the median tensor's unit
     assert jumps["v"] == pytest.approx(999.5 / 0.5)
+    assert outlier_tensors(current) == {"w": 1.0, "b": pytest.approx(0.15), "v": 500.0}
     assert parameter_jumps({"new": 5.0, MODEL_KEY: 1.0}, previous) == {}  # a tensor not seen before is not compared
 
 
@@ -82,17 +83,23 @@ def test_the_guard_mod_refuses_fished_and_dead_rounds_up_front_and_trains_the_ho
 
     for server_round in (1, 2):  # the first round has nothing to compare with; the second moved a little
         assert not run(model, server_round).has_error()
-    fished = run(fish_class(model, 3), 3)  # the classifier's other biases at 1000
+    fished = run(fish_class(model, 3), 3)  # the classifier's other biases at 1000: out of scale, no history needed
     assert fished.has_error() and fished.error.reason.startswith(f"flguard: update withheld: {SUSPICIOUS}")
-    assert "'fc3.bias'" in fished.error.reason and "max_param_jump=100" in fished.error.reason
-    assert not run(model, 4).has_error()  # back to the honest model: compared with round 2 as well, accepted
+    assert "'fc3.bias'" in fished.error.reason and "median tensor" in fished.error.reason
     dead = task.make_model(SETTINGS)
     dead.load_state_dict(model.state_dict())
     with torch.no_grad():
         dead.fc2.bias.fill_(-1000.0)  # every ReLU of the last hidden layer off
-    refused = run(dead, 5)
+    refused = run(dead, 4)
     assert refused.has_error() and "'fc2.bias'" in refused.error.reason
-    assert handled == [1, 2, 4]  # the refused rounds never reached the training code
+    jumped = task.make_model(SETTINGS)
+    jumped.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        jumped.fc3.bias.mul_(200.0)  # in scale with the model (~200× its median), but 200× its last round
+    refused = run(jumped, 5)
+    assert refused.has_error() and "'fc3.bias'" in refused.error.reason and "jump of" in refused.error.reason
+    assert not run(model, 6).has_error()  # back to the honest model: compared with round 2 as well, accepted
+    assert handled == [1, 2, 6]  # the refused rounds never reached the training code
     assert max(honest_jumps) < 1.0, honest_jumps  # guarded local SGD moves no tensor by its own scale
 
 

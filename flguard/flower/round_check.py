@@ -1,25 +1,29 @@
-"""Refusing a round up front when the parameters the server sent jumped in scale (issue 23 §2).
+"""Refusing a round up front when the parameters the server sent are out of scale (issue 23 §2).
 
 A server that fishes (``flguard.server.fishing``, Wen et al. 2022) or denies service rewrites a few
 tensors of the model it sends — class fishing sets the classifier's other biases to 1000, the
-dead-network attack a hidden layer's biases to −1000 — and leaves the rest alone. FedAvg never
-does that: a round moves each tensor by a fraction of its own scale. So the client compares the
-scale of every tensor it receives with the same tensor in the last rounds it trained:
+dead-network attack a hidden layer's biases to −1000 — and leaves the rest alone. Training never
+does that. With ``GuardConfig.max_param_jump`` set, the guard mod checks each train round's
+parameters before any training and refuses the round with a reply that names the tensor
+(``SUSPICIOUS``), on either of two tests:
 
-    jump_t = |rms(θ_t) − rms(θ'_t)| / max(rms(θ'_t), median_s rms(θ'_s))
+- **out of scale in the model it arrives in** (no history needed, so it also catches a server that
+  fishes a client from the first round it trains): a tensor whose RMS exceeds OUTLIER_FACTOR ×
+  ``max_param_jump`` × the median tensor's RMS (1,000× at 100; GroupNorm scales at 1 beside
+  convolutions at 0.02–0.05 are 20–50×, class fishing's biases ~10⁴×);
+- **a jump since the last rounds this client trained**: per tensor,
 
-(θ' an earlier round's parameters; a tensor that starts at zero, like a bias or a GroupNorm shift,
-is measured against the median tensor's scale — robust to the one tensor a server blew up — not
-its own). The
-smaller jump against the last two rounds counts, so the honest round after a fished one is not
-refused as well. With ``GuardConfig.max_param_jump`` set, a round whose largest jump exceeds it is
-refused before any training, with a reply that names the tensor (``SUSPICIOUS``). Class fishing's
-biases jump ~10⁴×; honest rounds of the demo's training stay below 1 (tests/test_round_check.py).
+      jump_t = |rms(θ_t) − rms(θ'_t)| / max(rms(θ'_t), median_s rms(θ'_s)),
 
-What the check cannot see: a change that keeps every tensor's scale (a permutation, a rescaled
-copy of another class's row), and the first round a client trains (nothing to compare with). The
-guard's per-step floor does not depend on it: it certifies every step the client does send.
-Only per-tensor scales are kept (``context.state``), never parameters.
+  θ' an earlier round's parameters (a tensor that starts at zero, like a bias or a GroupNorm
+  shift, is measured in the median tensor's unit — robust to the one tensor a server blew up). The
+  smaller jump against the last two rounds counts, so the honest round after a refused one passes.
+  Guarded local SGD on the quickstart CNN moves no tensor by more than 0.1 (tests/test_round_check.py).
+
+What it cannot see: a change that keeps every tensor's scale (a permutation, a rescaled copy of
+another class's row), or fishing with multipliers small enough to stay in scale (which magnifies
+the target's gradient less). The guard's per-step floor does not depend on it: it certifies every
+step the client sends. Only per-tensor scales are kept (``context.state``), never parameters.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ from flguard.guard.failure import SUSPICIOUS
 #: ``context.state`` records of the last two received rounds' per-tensor RMS (newest first).
 HISTORY_KEYS = ("flguard.param-rms.1", "flguard.param-rms.2")
 MODEL_KEY = "__median__"  # the median tensor's RMS, the unit of tensors that start at zero
+#: A tensor larger than OUTLIER_FACTOR × max_param_jump × the median tensor's RMS (1,000× at 100) is
+#: refused without history: GroupNorm scales at 1 beside convolutions at 0.02–0.05 are 20–50×; class
+#: fishing's biases ~10⁴×.
+OUTLIER_FACTOR = 10.0
 
 
 def tensor_scales(arrays: Mapping[str, np.ndarray]) -> dict[str, float]:
@@ -67,21 +75,38 @@ def received_arrays(message: Message) -> dict[str, np.ndarray]:
             for record_name, record in records for key, array in record.items()}
 
 
-def suspicious_round(message: Message, context: Context, max_jump: float) -> str | None:
-    """The reason to refuse this train round, or None; records its scales in ``context.state`` either way.
+def outlier_tensors(current: Mapping[str, float]) -> dict[str, float]:
+    """Per tensor: its RMS in units of the same model's median tensor RMS."""
+    unit = current.get(MODEL_KEY, 0.0)
+    return {name: scale / unit if unit > 0 else (math.inf if scale > 0 else 0.0)
+            for name, scale in current.items() if name != MODEL_KEY}
 
-    Refused rounds are recorded too: the next round is then compared with both the refused one and
-    the one before, and the smaller jump counts (one fishing attempt costs one round, not two)."""
+
+def suspicious_round(message: Message, context: Context, max_jump: float) -> str | None:
+    """The reason to refuse this train round, or None (module doc).
+
+    Two tests, most blatant first: a tensor more than OUTLIER_FACTOR × ``max_jump`` times the model's
+    median tensor scale (needs no history: catches a server that fishes a client from its first
+    round on; such a round is not recorded, it is no reference for the next), then the jump against
+    the last two rounds recorded in ``context.state``. A round refused for its jump is recorded: the
+    next round is compared with both it and the one before, and the smaller jump counts (one
+    refused round per attempt, not two)."""
     current = tensor_scales(received_arrays(message))
-    history = [dict(context.state.metric_records[key]) for key in HISTORY_KEYS if key in context.state.metric_records]
-    if len(current) > 1:  # a message without model arrays (e.g. a SecAgg+ stage) leaves the history alone
-        if history:
-            context.state[HISTORY_KEYS[1]] = MetricRecord(history[0])
-        context.state[HISTORY_KEYS[0]] = MetricRecord(current)
-    if not history or len(current) <= 1:
+    if len(current) <= 1:  # no model arrays (e.g. a SecAgg+ stage): nothing to check or record
         return None
+    outliers = outlier_tensors(current)
+    worst = max(outliers, key=outliers.get)
+    if outliers[worst] > OUTLIER_FACTOR * max_jump:
+        return (f"{SUSPICIOUS}: the server sent '{worst}' at RMS {current[worst]:.3g}, {outliers[worst]:.3g}× the "
+                f"median tensor's ({current[MODEL_KEY]:.3g}; at most {OUTLIER_FACTOR:g} × max_param_jump={max_jump:g}); "
+                "trained models hold no such tensor (fishing and dead-network attacks do), so the round is refused "
+                "up front")
+    history = [dict(context.state.metric_records[key]) for key in HISTORY_KEYS if key in context.state.metric_records]
+    if history:
+        context.state[HISTORY_KEYS[1]] = MetricRecord(history[0])
+    context.state[HISTORY_KEYS[0]] = MetricRecord(current)
     per_round = [parameter_jumps(current, previous) for previous in history]
-    names = set.intersection(*(set(jumps) for jumps in per_round))
+    names = set.intersection(*(set(jumps) for jumps in per_round)) if per_round else set()
     if not names:
         return None
     jump = {name: min(jumps[name] for jumps in per_round) for name in names}

@@ -260,6 +260,8 @@ API: list[tuple[str, str, list[str]]] = [
     ("flguard.flower", "Flower integration, client side", [
         "guard_mod", "guard_mod_from_run_config", "guard_run_config", "guard_config_from_run_config", "weaker_fields", "client_minimum", "guard_step", "round_metrics",
         "GuardDropped", "GuardedNumPyClient", "UnguardedUpdate"]),
+    ("flguard.flower.round_check", "Refusing a round whose parameters are out of scale", [
+        "suspicious_round", "tensor_scales", "parameter_jumps", "outlier_tensors"]),
     ("flguard.simulation", "The simulated federation's true-batch channel (never on a client's path)", [
         "record_batch", "TruthChannelRefused", "in_simulation_runtime"]),
     ("flguard.server", "The malicious server", [

@@ -193,9 +193,10 @@ class GuardConfig(StrictModel):
                                       "measuring, else the step is withheld naming the limit; None: no limit")
     max_param_jump: float | None = Field(None, gt=0.0, description="per round (guard_mod): refuse a train round "
                                          "up front, replying 'suspicious parameters', when a tensor the server sent "
-                                         "changed scale by more than this × since the last rounds this client trained "
-                                         "(flguard.flower.round_check; class fishing's biases jump ~1e4×, honest "
-                                         "rounds < 1); None: no check")
+                                         "is over 10× this × the model's median tensor RMS, or changed scale by more "
+                                         "than this × since the client's last two rounds (flguard.flower.round_check; "
+                                         "class fishing's biases ~1e4×, honest models ≤ 24×, honest rounds < 0.1); "
+                                         "None: no check")
 
     def __new__(cls, *args: Any, **data: Any) -> "GuardConfig":
         if cls in (GuardConfig, ThresholdGuardConfig):  # pick the defense's model; an unknown or unfitting

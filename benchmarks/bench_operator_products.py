@@ -6,10 +6,14 @@
 runs in a child process of its own so that its peak RSS is its own. Printed per row: the median time
 of ``jt`` (one vector per sample), ``j``, ``kmv`` (the solvers' product) and the per-sample gradients, as
 ratios to a training step (forward + backward of the mean loss, same batch), the first ``kmv`` (which
-builds the cached pullbacks), the peak RSS of the process, and ``jt``/``j``.
+builds the cached pullbacks), the peak RSS after the training steps (``peak_train_gb``), after the
+``kmv`` calls (``peak_kmv_gb``: all the solvers need) and at the end (``peak_gb``, after ``jt``/``j``
+made [B, dθ] outputs), and ``jt``/``j``. ``--clip``: the guard's operator, per-sample clipped at the
+median norm (``ClippedJacobian``; it keeps the per-sample gradients, [B, dθ]).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_operator_products.py
     OMP_NUM_THREADS=1 python benchmarks/bench_operator_products.py --models resnet18_gn --batch 8,32
+    OMP_NUM_THREADS=1 python benchmarks/bench_operator_products.py --models resnet18_gn --batch 8,32 --paths auto --clip
     python benchmarks/bench_operator_products.py --device cuda --models cnn,resnet20_gn,resnet18_gn --batch 32
 
 Models from the zoo with random weights (the products' cost does not depend on training); batches of
@@ -43,10 +47,16 @@ def _timed(fn, device: str, repeats: int) -> list[float]:
     return out
 
 
-def _measure(name: str, batch: int, products: str, device: str, repeats: int) -> dict:
-    """One (model, batch, path) in this (child) process."""
+def _peak(device: str) -> float:
+    return (torch.cuda.max_memory_allocated(device) / 2**30 if torch.device(device).type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+
+
+def _measure(name: str, batch: int, products: str, device: str, repeats: int, clip: bool = False) -> dict:
+    """One (model, batch, path) in this (child) process; ``clip``: the guard's operator, per-sample
+    clipped at the median norm (``ClippedJacobian``, which keeps the per-sample gradients)."""
     from flguard.models import create
-    from flguard.risk.operator import JacobianOperator
+    from flguard.risk.operator import ClippedJacobian, JacobianOperator
 
     torch.manual_seed(0)
     channels, size = SHAPES[name]
@@ -59,20 +69,25 @@ def _measure(name: str, batch: int, products: str, device: str, repeats: int) ->
         F.cross_entropy(model(x), y).backward()
 
     train = statistics.median(_timed(train_step, device, repeats + 1)[1:])
+    peak_train = _peak(device)
     op = JacobianOperator(model, x, y, products=products)
+    if clip:
+        op = ClippedJacobian(op, float(op.per_sample_gradients().norm(dim=1).median()))
     u = torch.randn(batch, 1, op.dx, device=device)
-    v = torch.randn(batch, 1, op.dtheta, device=device)
     first = _timed(lambda: op.kmv(u), device, 1)[0]
+    kmv = statistics.median(_timed(lambda: op.kmv(u), device, repeats))
+    peak_kmv = _peak(device)  # what the solvers need: their products are all kmv (before jt/j's [B, dθ] below)
+    v = torch.randn(batch, 1, op.dtheta, device=device)
     times = {kind: statistics.median(_timed(fn, device, repeats)) for kind, fn in
-             (("kmv", lambda: op.kmv(u)), ("jt", lambda: op.jt(u)), ("j", lambda: op.j(v)))}
+             (("jt", lambda: op.jt(u)), ("j", lambda: op.j(v)))}
     fresh = JacobianOperator(model, x, y, products=products)
     grads = _timed(fresh.per_sample_gradients, device, 1)[0]
-    peak = (torch.cuda.max_memory_allocated(device) / 2**30 if torch.device(device).type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
-    return dict(model=name, params=op.dtheta, B=batch, products=products, path="direct" if op.direct else "cached",
-                device=device, train_ms=1000 * train, kmv=times["kmv"] / train, first_kmv=first / train,
+    return dict(model=name, params=op.dtheta, B=batch, products=products, clip=clip,
+                path="direct" if getattr(op, "op", op).direct else "cached",
+                device=device, train_ms=1000 * train, kmv=kmv / train, first_kmv=first / train,
                 jt=times["jt"] / train, j=times["j"] / train, jt_over_j=times["jt"] / times["j"],
-                per_sample_grads=grads / train, peak_gb=peak)
+                per_sample_grads=grads / train, peak_train_gb=peak_train, peak_kmv_gb=peak_kmv,
+                kmv_over_train_rss=peak_kmv / peak_train, peak_gb=_peak(device))
 
 
 def _in_child(*args) -> dict:
@@ -87,15 +102,16 @@ def main() -> None:
     parser.add_argument("--paths", default="cached,direct,auto", help="product paths, comma-separated")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--clip", action="store_true", help="the guard's operator: clipped at the median norm")
     args = parser.parse_args()
     rows = []
     for name in args.models.split(","):
         for batch in (int(b) for b in args.batch.split(",")):
             for products in args.paths.split(","):
-                row = _in_child(name, batch, products, args.device, args.repeats)
+                row = _in_child(name, batch, products, args.device, args.repeats, args.clip)
                 rows.append(row)
                 print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-    _, table = study_paths("bench_operator_products")
+    _, table = study_paths("bench_operator_products" + ("_clip" if args.clip else ""))
     print(write_table(rows, table))
 
 

@@ -49,10 +49,14 @@ def _median_norm(model, x, y) -> float:
     return float(JacobianOperator(model, x, y).per_sample_gradients().norm(dim=1).median())
 
 
-def test_clipped_products_match_the_dense_jacobian_of_the_clipped_upload():
+@pytest.mark.parametrize("products", ["cached", "direct"])
+def test_clipped_products_match_the_dense_jacobian_of_the_clipped_upload(products):
+    """Both product paths; on the direct one ``kmv`` is fused per sample (J_i P_i² J_iᵀu_i without the
+    batch's [B, k, dθ]), and must equal J̄J̄ᵀ of the dense Jacobian all the same."""
     model, x, y = _problem()
     clip = _median_norm(model, x, y)  # some samples clipped, some not
-    op = ClippedJacobian(JacobianOperator(model, x, y), clip)
+    op = ClippedJacobian(JacobianOperator(model, x, y, products=products), clip)
+    assert op.op.direct == (products == "direct")
     assert bool((op.factor < 1).any()) and bool((op.factor == 1).any())
     jac, upload = _dense(model, x, y, clip)
     torch.testing.assert_close(op.gradient, upload)
@@ -60,6 +64,12 @@ def test_clipped_products_match_the_dense_jacobian_of_the_clipped_upload():
     u = torch.randn(3, 2, op.dx, dtype=torch.float64)
     torch.testing.assert_close(op.j(v), torch.einsum("bxp,bkp->bkx", jac, v))
     torch.testing.assert_close(op.jt(u), torch.einsum("bxp,bkx->bkp", jac, u))
+    before = op.applications
+    torch.testing.assert_close(op.kmv(u), torch.einsum("bxp,byp,bky->bkx", jac, jac, u))
+    assert op.applications - before == 4  # two applications of k = 2 vectors
+    plain = JacobianOperator(model, x, y, products=products)  # no clipping: the mean gradient's Jacobian
+    jac_plain, _ = _dense(model, x, y, 1e30)
+    torch.testing.assert_close(plain.kmv(u), torch.einsum("bxp,byp,bky->bkx", jac_plain, jac_plain, u))
 
 
 @pytest.mark.parametrize("defense", ["gaussian", "eigen"])

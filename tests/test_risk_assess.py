@@ -188,7 +188,7 @@ def test_per_sample_gradients_match_one_backward_per_sample(after_a_product, pro
 
 def test_auto_products_go_direct_above_the_size_limit(monkeypatch):
     """"auto" keeps the cached pullbacks while B·dθ ≤ CACHED_UP_TO floats, then goes direct in chunks
-    of ⌊CACHED_UP_TO/dθ⌋ samples; both give the dense Jacobian's products."""
+    of ⌊min(CACHED_UP_TO, DIRECT_CHUNK_FLOATS)/dθ⌋ samples; both give the dense Jacobian's products."""
     from flguard.risk import operator
     model, x, y = _problem("conv", 3)
     jac, _ = dense_jacobians(model, x, y)

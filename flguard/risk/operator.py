@@ -47,9 +47,15 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: of the whole batch (3 GB on a ResNet-18 at B = 8, 10 GB at B = 32). *Direct*: each product is one
 #: forward-over-reverse (Jᵀu) or reverse-of-forward (Jv) pass per sample, ``vmap``-ed over chunks of
 #: samples, nothing kept between products. ``products="auto"`` takes the cached path while B·dθ is at
-#: most this many floats (256 MB in float32), else the direct one in chunks of ⌊CACHED_UP_TO/dθ⌋
-#: samples (a ResNet-18: 5), so memory stops growing with the batch.
+#: most this many floats (256 MB in float32), else the direct one in chunks of samples, so memory
+#: stops growing with the batch.
 CACHED_UP_TO = 2 ** 26
+#: Direct path: samples per vmapped call, ⌊min(CACHED_UP_TO, DIRECT_CHUNK_FLOATS)/dθ⌋ (a ResNet-18: 1,
+#: a ResNet-20: 61). A chunk holds its samples' double-backward graphs, ~0.2 GB each on a ResNet-18 at
+#: 32×32: the clipped K product at B = 32 peaked at 3.6 GB in chunks of 6 and 2.5 GB in chunks of 1,
+#: in the same time on one CPU thread (benchmarks/bench_operator_products.py --clip). Not measured on a
+#: GPU, where larger chunks may pay.
+DIRECT_CHUNK_FLOATS = 2 ** 24
 
 
 class ProductLimitReached(RuntimeError):
@@ -183,7 +189,7 @@ class JacobianOperator:
             raise ValueError(f"products={products!r}: choose 'auto', 'cached' or 'direct'")
         self.direct = not self.coupled and (products == "direct" or (
             products == "auto" and self.batch_size * self.dtheta > CACHED_UP_TO))
-        self.sample_chunk = max(1, CACHED_UP_TO // self.dtheta)  # samples per direct call
+        self.sample_chunk = max(1, min(CACHED_UP_TO, DIRECT_CHUNK_FLOATS) // self.dtheta)  # samples per direct call
 
     # -- building blocks -------------------------------------------------------------------
     @property
@@ -295,16 +301,32 @@ class JacobianOperator:
             return jvp(loss, (self.params,), (tangent,))[1]
         return grad(along)(xi).reshape(-1)
 
-    def _per_sample_products(self, one: Callable, vectors: torch.Tensor) -> torch.Tensor:
-        """``one(x_i, y_i, w)`` for every sample i and each of its k vectors w, [B, k, ·]: vmap over
-        samples in chunks (``sample_chunk``, divided by k) and, for k > 1, over the vectors."""
+    def _per_sample_products(self, one: Callable, vectors: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+        """``one(x_i, y_i, w, *extra_i)`` for every sample i and each of its k vectors w, [B, k, ·]: vmap
+        over samples in chunks (``sample_chunk``, divided by k) and, for k > 1, over the vectors.
+        ``extra``: per-sample tensors [B, …] handed to ``one`` beside the vector."""
         k = vectors.shape[1]
         chunk = max(1, self.sample_chunk // k)
         with batchnorm_without_running_stats(self.model):
             if k == 1:
-                return vmap(one, chunk_size=chunk)(self.x, self.y, vectors[:, 0]).unsqueeze(1)
-            each = lambda xi, yi, w: vmap(lambda wj: one(xi, yi, wj), chunk_size=self.chunk_size)(w)  # noqa: E731
-            return vmap(each, chunk_size=chunk)(self.x, self.y, vectors)
+                return vmap(one, chunk_size=chunk)(self.x, self.y, vectors[:, 0], *extra).unsqueeze(1)
+            each = lambda xi, yi, w, *e: vmap(lambda wj: one(xi, yi, wj, *e), chunk_size=self.chunk_size)(w)  # noqa: E731
+            return vmap(each, chunk_size=chunk)(self.x, self.y, vectors, *extra)
+
+    def direct_kmv(self, u: torch.Tensor, between: Callable | None = None,
+                   extra: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+        """K_i u_i sample by sample on the direct path: J̃_i(between(J̃_iᵀu_i, *extra_i)) inside one vmapped
+        call per chunk of samples, so J_iᵀu (dθ floats per sample) exists for a chunk at a time, never
+        for the whole batch [B, k, dθ] (1.4 GB per copy for ResNet-18 at B = 32). ``between`` (default:
+        none) is what a wrapper applies in parameter space (the clipping's projection). Two applications."""
+        batch, k = self._check(u, self.dx)
+        self._charge(batch, k)
+        self._charge(batch, k)
+
+        def one(xi: torch.Tensor, yi: torch.Tensor, ui: torch.Tensor, *e: torch.Tensor) -> torch.Tensor:
+            w = self._jt_one(xi, yi, ui)
+            return self._j_one(xi, yi, w if between is None else between(w, *e))
+        return (self.scale * self.scale) * self._per_sample_products(one, u, *extra)
 
     def _pullback(self) -> Callable:
         """The vjp of the gradient map at this batch, built once: J products reuse its forward and
@@ -321,7 +343,10 @@ class JacobianOperator:
         return self._cached_pullback
 
     def kmv(self, u: torch.Tensor) -> torch.Tensor:
-        """K_i u_i = J_i J_iᵀ u_i, u [B, k, dx] → [B, k, dx] (two applications)."""
+        """K_i u_i = J_i J_iᵀ u_i, u [B, k, dx] → [B, k, dx] (two applications; fused per sample on the
+        direct path, ``direct_kmv``)."""
+        if self.direct:
+            return self.direct_kmv(u)
         return self.j(self.jt(u))
 
     def restricted(self, index: torch.Tensor) -> JacobianOperator:
@@ -348,7 +373,7 @@ class JacobianOperator:
         with batchnorm_without_running_stats(self.model):
             if self.direct:
                 if getattr(self, "_per_sample", None) is None:
-                    self._per_sample = vmap(self._sample_grad, chunk_size=self.sample_chunk)(self.x, self.y).detach()
+                    self._per_sample = self._chunked_sample_grads()
                 return self._per_sample
             if not self.coupled:
                 self._pullback()  # its primal output is exactly these gradients: built once for both
@@ -360,6 +385,17 @@ class JacobianOperator:
 
             jac = torch.func.jacrev(losses)(self.params)
             return torch.cat([jac[n].reshape(self.batch_size, -1) for n in self.names], dim=1)
+
+    def _chunked_sample_grads(self) -> torch.Tensor:
+        """[B, dθ] filled a chunk of samples at a time: ``vmap(chunk_size=…)`` concatenates its chunks'
+        outputs, so its peak is twice the result (measured on ResNet-18-GN at B = 32: 3.6 GB for a 1.4 GB
+        result, the peak of the whole clipped guard step's products); this one holds the result and
+        one chunk."""
+        out = torch.empty(self.batch_size, self.dtheta, dtype=self.dtype, device=self.device)
+        for start in range(0, self.batch_size, self.sample_chunk):
+            stop = min(start + self.sample_chunk, self.batch_size)
+            out[start:stop] = vmap(self._sample_grad)(self.x[start:stop], self.y[start:stop]).detach()
+        return out
 
     def batch_gradient(self) -> torch.Tensor:
         """The shared gradient g = ∇_θ L(X, θ), flat [dθ]."""
@@ -397,12 +433,14 @@ class ClippedJacobian:
         per = op.per_sample_gradients()
         norms = per.norm(dim=1)
         clipped = norms > self.clip
-        self.factor = torch.where(clipped, self.clip / norms.clamp_min(torch.finfo(per.dtype).tiny),
-                                  torch.ones_like(norms))
-        self.unit = torch.where(clipped.unsqueeze(1), per / norms.clamp_min(torch.finfo(per.dtype).tiny).unsqueeze(1),
-                                torch.zeros_like(per))  # zero: no projection for unclipped samples
+        tiny = torch.finfo(per.dtype).tiny
+        self.factor = torch.where(clipped, self.clip / norms.clamp_min(tiny), torch.ones_like(norms))
+        # ĝ_i = inverse_norm_i · g_i, zero for unclipped samples (no projection): the per-sample gradients
+        # the operator keeps anyway serve as the directions, no second [B, dθ] copy of unit vectors
+        self.inverse_norm = torch.where(clipped, 1.0 / norms.clamp_min(tiny), torch.zeros_like(norms))
+        self.per = per
         self.sample_norms = norms
-        self.gradient = op.scale * (per * self.factor.unsqueeze(1)).sum(0)
+        self.gradient = op.scale * (self.factor @ per)  # Σ_i s_i g_i without a [B, dθ] temporary
         self.unclipped_gradient = op.scale * per.sum(0)
 
     def __getattr__(self, name: str):  # x, dx, dtheta, batch_size, dtype, device, applications …
@@ -412,8 +450,8 @@ class ClippedJacobian:
         """(s_i(I − ĝ_iĝ_iᵀ))^power w_i for w [B, k, dθ] (the projection is idempotent: power scales
         by s_i^power). One fused w − (wĝ)ĝᵀ and an in-place scale: these are memory-bound passes over
         B·k·dθ floats, a fifth of the clipped guard's time when written as separate temporaries."""
-        along = torch.bmm(w, self.unit.unsqueeze(2))  # [B, k, 1]
-        out = torch.baddbmm(w, along, self.unit.unsqueeze(1), alpha=-1)
+        along = torch.bmm(w, self.per.unsqueeze(2)) * self.inverse_norm.square().view(-1, 1, 1)  # [B, k, 1]
+        out = torch.baddbmm(w, along, self.per.unsqueeze(1), alpha=-1)
         return out.mul_(self.factor.pow(power).view(-1, 1, 1))
 
     def j(self, v: torch.Tensor) -> torch.Tensor:
@@ -423,7 +461,10 @@ class ClippedJacobian:
         return self._project(self.op.jt(u))
 
     def kmv(self, u: torch.Tensor) -> torch.Tensor:
-        """J̄_iJ̄_iᵀu_i = J_i P_i² J_iᵀu_i with P_i² = s_i²(I − ĝ_iĝ_iᵀ): one projection, not two."""
+        """J̄_iJ̄_iᵀu_i = J_i P_i² J_iᵀu_i with P_i² = s_i²(I − ĝ_iĝ_iᵀ): one projection, not two; on the
+        direct path fused per sample (``JacobianOperator.direct_kmv``)."""
+        if self.op.direct:
+            return self.op.direct_kmv(u, _clip_projection, (self.per, self.inverse_norm.square(), self.factor.square()))
         return self.op.j(self._project(self.op.jt(u), power=2))
 
     def restricted(self, index: torch.Tensor) -> ClippedJacobian:
@@ -431,8 +472,15 @@ class ClippedJacobian:
         sub = ClippedJacobian.__new__(ClippedJacobian)  # not copy.copy: __getattr__ delegates to .op
         sub.__dict__.update(self.__dict__)
         sub.op = self.op.restricted(index)
-        sub.factor, sub.unit, sub.sample_norms = self.factor[index], self.unit[index], self.sample_norms[index]
+        sub.factor, sub.sample_norms = self.factor[index], self.sample_norms[index]
+        sub.per, sub.inverse_norm = self.per[index], self.inverse_norm[index]
         return sub
+
+
+def _clip_projection(w: torch.Tensor, g: torch.Tensor, inverse_norm_sq: torch.Tensor,
+                     factor_sq: torch.Tensor) -> torch.Tensor:
+    """One sample's s²(I − ĝĝᵀ)w with ĝ = g/‖g‖ (inverse_norm_sq = 1/‖g‖², 0 for an unclipped sample)."""
+    return factor_sq * (w - (inverse_norm_sq * torch.dot(w, g)) * g)
 
 
 #: Either operator (plain or per-sample-clipped upload): what the guard, the defenses and

@@ -43,7 +43,8 @@ from torch.func import functional_call, grad, jvp, vmap
 
 from _common import demo_round, synchronize
 from bench_guard_round import HEADER, measure_round, run_round
-from flguard.risk.operator import ClippedJacobian, JacobianOperator
+from flguard.risk.clipped import ClippedJacobian
+from flguard.risk.operator import JacobianOperator
 
 
 def _ms(fn: Callable[[], object], device: torch.device) -> float:

@@ -29,7 +29,8 @@ from flguard.simulation.task import TaskSettings, initial_model, load_partition
 from flguard.risk.assess import jacobian_product
 from flguard.risk.krylov import preconditioned_cg, spectral_preconditioner
 from flguard.risk.lanczos import LanczosResult
-from flguard.risk.operator import ClippedJacobian, JacobianOperator
+from flguard.risk.clipped import ClippedJacobian
+from flguard.risk.operator import JacobianOperator
 from flguard.risk.regularised import RegularisedK, ShrinkingProducts
 
 lanczos_module = importlib.import_module("flguard.risk.lanczos")  # the module, not the function

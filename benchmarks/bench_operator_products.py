@@ -56,7 +56,8 @@ def _measure(name: str, batch: int, products: str, device: str, repeats: int, cl
     """One (model, batch, path) in this (child) process; ``clip``: the guard's operator, per-sample
     clipped at the median norm (``ClippedJacobian``, which keeps the per-sample gradients)."""
     from flguard.models import create
-    from flguard.risk.operator import ClippedJacobian, JacobianOperator
+    from flguard.risk.clipped import ClippedJacobian
+    from flguard.risk.operator import JacobianOperator
 
     torch.manual_seed(0)
     channels, size = SHAPES[name]

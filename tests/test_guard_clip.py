@@ -16,7 +16,8 @@ from torch.func import functional_call, grad
 from risk_reference import tiny_conv_problem
 
 from flguard import Guard, GuardConfig
-from flguard.risk.operator import ClippedJacobian, JacobianOperator
+from flguard.risk.clipped import ClippedJacobian
+from flguard.risk.operator import JacobianOperator
 
 TAU = 0.2
 

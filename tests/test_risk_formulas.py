@@ -12,7 +12,7 @@ from torch import nn
 from flguard.risk import JacobianOperator, RegularisedK
 from flguard.risk.closed_forms import (from_rmse, i2f_lower_bound, regularised_gain, sigma_for_i2f_lb, to_rmse,
                                        unit_noise_i2f_lb)
-from flguard.risk.operator import ClippedJacobian
+from flguard.risk.clipped import ClippedJacobian
 from flguard.risk.trace import hutchinson
 from risk_reference import dense_jacobians
 

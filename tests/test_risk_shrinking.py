@@ -12,7 +12,8 @@ import torch
 
 import flguard.risk.regularised as regularised_module
 from flguard.risk.krylov import conjugate_gradient, preconditioned_cg, spectral_preconditioner
-from flguard.risk.operator import ClippedJacobian, JacobianOperator
+from flguard.risk.clipped import ClippedJacobian
+from flguard.risk.operator import JacobianOperator
 from flguard.risk.regularised import RegularisedK, ShrinkingProducts
 from risk_reference import dense_jacobians, tiny_conv_problem
 

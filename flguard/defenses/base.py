@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from flguard.risk.lanczos import LanczosResult
-from flguard.risk.operator import Jacobian
+from flguard.risk.clipped import Jacobian
 
 
 def draw_generator(seed: int | None, device: torch.device) -> torch.Generator:

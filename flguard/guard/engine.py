@@ -28,7 +28,8 @@ from flguard.guard.floor import noise_budget
 from flguard.guard.model_check import require_supported
 from flguard.guard.perturb import Perturber
 from flguard.guard.report import GuardOutput, GuardReport
-from flguard.risk.operator import ClippedJacobian, Jacobian, JacobianOperator, LossFn, ProductLimit
+from flguard.risk.clipped import ClippedJacobian, Jacobian
+from flguard.risk.operator import JacobianOperator, LossFn, ProductLimit
 
 __all__ = ["Guard", "GuardFailure", "clip_level"]
 

@@ -22,7 +22,8 @@ import math
 import torch
 
 from flguard.risk.closed_forms import to_rmse
-from flguard.risk.operator import ClippedJacobian, JacobianOperator
+from flguard.risk.clipped import ClippedJacobian
+from flguard.risk.operator import JacobianOperator
 
 
 def reachable_at(x: torch.Tensor, shift: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor] | None,

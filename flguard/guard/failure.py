@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from flguard.risk.assess import jacobian_product
-from flguard.risk.operator import Jacobian
+from flguard.risk.clipped import Jacobian
 
 
 class GuardFailure(RuntimeError):

@@ -20,7 +20,7 @@ from flguard.guard.exclusion import excludable, kept_gradient, negligible_sample
 from flguard.guard.failure import GuardFailure
 from flguard.risk.assess import i2f_solve, jacobian_product
 from flguard.risk.closed_forms import from_rmse, i2f_lower_bound, to_rmse
-from flguard.risk.operator import Jacobian, base_operator
+from flguard.risk.clipped import Jacobian, base_operator
 
 #: The I²F solves behind the floor run PCG preconditioned by the Lanczos run's Ritz pairs (the
 #: spectral preconditioner of ``flguard.risk.krylov``), stopped on the true residual: same

@@ -18,7 +18,7 @@ from flguard.guard import floor  # its PRECONDITION_CG and SOLVER_MAX_ITER read 
 from flguard.guard.floor import FloorCalibrator, Outcome, checked_solve, noise_budget, rmse_lb
 from flguard.risk.assess import i2f_norms, i2f_solve_with_lambda_max
 from flguard.risk.closed_forms import to_rmse
-from flguard.risk.operator import Jacobian
+from flguard.risk.clipped import Jacobian
 from flguard.risk.regularised import RegularisedK
 
 #: The calibrated Gaussian's noise direction does not depend on K's spectrum, so its λmax (for ε)

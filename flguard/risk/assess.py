@@ -16,7 +16,8 @@ from torch import nn
 from flguard.risk.closed_forms import i2f_lower_bound, to_rmse
 from flguard.risk.defaults import DEFAULT_EPS_RELATIVE
 from flguard.risk.lanczos import LanczosResult, lanczos
-from flguard.risk.operator import Jacobian, JacobianOperator, LossFn
+from flguard.risk.clipped import Jacobian
+from flguard.risk.operator import JacobianOperator, LossFn
 from flguard.risk.regularised import RegularisedK
 from flguard.risk.report import DELTA_METRICS, METRIC_NAMES, RiskReport
 from flguard.risk.trace import exact_trace, hutchinson

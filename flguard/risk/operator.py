@@ -313,6 +313,17 @@ class JacobianOperator:
             each = lambda xi, yi, w, *e: vmap(lambda wj: one(xi, yi, wj, *e), chunk_size=self.chunk_size)(w)  # noqa: E731
             return vmap(each, chunk_size=chunk)(self.x, self.y, vectors, *extra)
 
+    def direct_j(self, v: torch.Tensor, before: Callable, extra: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+        """J_i(before(v_i, *extra_i)) per sample on the direct path, ``before`` applied inside the vmapped
+        call: a shared v (an expanded view, as for the noise) is never copied B times by a wrapper's
+        projection. One application."""
+        batch, k = self._check(v, self.dtheta)
+        self._charge(batch, k)
+
+        def one(xi: torch.Tensor, yi: torch.Tensor, vi: torch.Tensor, *e: torch.Tensor) -> torch.Tensor:
+            return self._j_one(xi, yi, before(vi, *e))
+        return self.scale * self._per_sample_products(one, v, *extra)
+
     def direct_kmv(self, u: torch.Tensor, between: Callable | None = None,
                    extra: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
         """K_i u_i sample by sample on the direct path: J̃_i(between(J̃_iᵀu_i, *extra_i)) inside one vmapped
@@ -411,84 +422,3 @@ class JacobianOperator:
         if vectors.ndim != 3 or vectors.shape[0] != self.batch_size or vectors.shape[2] != dim:
             raise ValueError(f"expected vectors of shape [B={self.batch_size}, k, {dim}], got {tuple(vectors.shape)}")
         return int(vectors.shape[0]), int(vectors.shape[1])
-
-
-class ClippedJacobian:
-    """The blocks of the per-sample-clipped upload U(X) = c Σ_i clip_C(g_i(x_i)), clip_C(g) = g·min(1, C/‖g‖).
-
-    With per-sample clipping the attacker inverts U, not the plain gradient, so the guard must
-    measure U's Jacobian. For a clipped sample (‖g_i‖ > C, g_i unscaled) the chain rule gives
-    ∂clip_C(g_i)/∂g_i = s_i(I − ĝ_iĝ_iᵀ), s_i = C/‖g_i‖, ĝ_i = g_i/‖g_i‖, so in the J (dx × dθ) layout
-
-        J̄_i = J_i · s_i(I − ĝ_iĝ_iᵀ)   (J̄_i = J_i for an unclipped sample),
-
-    exact wherever ‖g_i‖ ≠ C. Products wrap ``JacobianOperator``'s: j(v) = J_i(s_i P_i v) and
-    jᵀ(u) = s_i P_i J_iᵀu. ``gradient`` is U itself (the update to send). Per-sample path only.
-    """
-
-    def __init__(self, op: JacobianOperator, clip: float) -> None:
-        if op.coupled:
-            raise ValueError("per-sample clipping needs a per-sample-separable loss and no train-mode BatchNorm")
-        self.op, self.clip = op, float(clip)
-        per = op.per_sample_gradients()
-        norms = per.norm(dim=1)
-        clipped = norms > self.clip
-        tiny = torch.finfo(per.dtype).tiny
-        self.factor = torch.where(clipped, self.clip / norms.clamp_min(tiny), torch.ones_like(norms))
-        # ĝ_i = inverse_norm_i · g_i, zero for unclipped samples (no projection): the per-sample gradients
-        # the operator keeps anyway serve as the directions, no second [B, dθ] copy of unit vectors
-        self.inverse_norm = torch.where(clipped, 1.0 / norms.clamp_min(tiny), torch.zeros_like(norms))
-        self.per = per
-        self.sample_norms = norms
-        self.gradient = op.scale * (self.factor @ per)  # Σ_i s_i g_i without a [B, dθ] temporary
-        self.unclipped_gradient = op.scale * per.sum(0)
-
-    def __getattr__(self, name: str):  # x, dx, dtheta, batch_size, dtype, device, applications …
-        return getattr(self.op, name)
-
-    def _project(self, w: torch.Tensor, power: int = 1) -> torch.Tensor:
-        """(s_i(I − ĝ_iĝ_iᵀ))^power w_i for w [B, k, dθ] (the projection is idempotent: power scales
-        by s_i^power). One fused w − (wĝ)ĝᵀ and an in-place scale: these are memory-bound passes over
-        B·k·dθ floats, a fifth of the clipped guard's time when written as separate temporaries."""
-        along = torch.bmm(w, self.per.unsqueeze(2)) * self.inverse_norm.square().view(-1, 1, 1)  # [B, k, 1]
-        out = torch.baddbmm(w, along, self.per.unsqueeze(1), alpha=-1)
-        return out.mul_(self.factor.pow(power).view(-1, 1, 1))
-
-    def j(self, v: torch.Tensor) -> torch.Tensor:
-        return self.op.j(self._project(v))
-
-    def jt(self, u: torch.Tensor) -> torch.Tensor:
-        return self._project(self.op.jt(u))
-
-    def kmv(self, u: torch.Tensor) -> torch.Tensor:
-        """J̄_iJ̄_iᵀu_i = J_i P_i² J_iᵀu_i with P_i² = s_i²(I − ĝ_iĝ_iᵀ): one projection, not two; on the
-        direct path fused per sample (``JacobianOperator.direct_kmv``)."""
-        if self.op.direct:
-            return self.op.direct_kmv(u, _clip_projection, (self.per, self.inverse_norm.square(), self.factor.square()))
-        return self.op.j(self._project(self.op.jt(u), power=2))
-
-    def restricted(self, index: torch.Tensor) -> ClippedJacobian:
-        """The clipped blocks of the samples ``index`` alone (see ``JacobianOperator.restricted``)."""
-        sub = ClippedJacobian.__new__(ClippedJacobian)  # not copy.copy: __getattr__ delegates to .op
-        sub.__dict__.update(self.__dict__)
-        sub.op = self.op.restricted(index)
-        sub.factor, sub.sample_norms = self.factor[index], self.sample_norms[index]
-        sub.per, sub.inverse_norm = self.per[index], self.inverse_norm[index]
-        return sub
-
-
-def _clip_projection(w: torch.Tensor, g: torch.Tensor, inverse_norm_sq: torch.Tensor,
-                     factor_sq: torch.Tensor) -> torch.Tensor:
-    """One sample's s²(I − ĝĝᵀ)w with ĝ = g/‖g‖ (inverse_norm_sq = 1/‖g‖², 0 for an unclipped sample)."""
-    return factor_sq * (w - (inverse_norm_sq * torch.dot(w, g)) * g)
-
-
-#: Either operator (plain or per-sample-clipped upload): what the guard, the defenses and
-#: ``RegularisedK`` accept — both apply j, jt and kmv on the same [B, k, ·] layout.
-Jacobian = JacobianOperator | ClippedJacobian
-
-
-def base_operator(op: Jacobian) -> JacobianOperator:
-    """The plain operator under ``op`` (itself, or the one a ``ClippedJacobian`` wraps): where the
-    path (``coupled``) and the application count live."""
-    return op.op if isinstance(op, ClippedJacobian) else op

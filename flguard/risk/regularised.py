@@ -17,7 +17,7 @@ import torch
 from flguard.risk.krylov import CGResult, conjugate_gradient, preconditioned_cg, spectral_preconditioner
 from flguard.risk.lanczos import LanczosResult, lanczos
 from flguard.risk.lanczos_solve import LanczosSolveResult, lanczos_solve
-from flguard.risk.operator import Jacobian, base_operator
+from flguard.risk.clipped import Jacobian, base_operator
 
 
 #: Opt-in: apply K_i through ``torch.compile`` (one compiled wrapper per operator; Dynamo reuses the

@@ -68,6 +68,10 @@ def test_clipped_products_match_the_dense_jacobian_of_the_clipped_upload(product
     before = op.applications
     torch.testing.assert_close(op.kmv(u), torch.einsum("bxp,byp,bky->bkx", jac, jac, u))
     assert op.applications - before == 4  # two applications of k = 2 vectors
+    rows = torch.tensor([0, 2])  # a restricted operator (the solvers' shrinking) reads its rows of the same J̄
+    sub = op.restricted(rows)
+    torch.testing.assert_close(sub.kmv(u[rows]), torch.einsum("bxp,byp,bky->bkx", jac[rows], jac[rows], u[rows]))
+    torch.testing.assert_close(sub.j(v[rows]), torch.einsum("bxp,bkp->bkx", jac[rows], v[rows]))
     plain = JacobianOperator(model, x, y, products=products)  # no clipping: the mean gradient's Jacobian
     jac_plain, _ = _dense(model, x, y, 1e30)
     torch.testing.assert_close(plain.kmv(u), torch.einsum("bxp,byp,bky->bkx", jac_plain, jac_plain, u))

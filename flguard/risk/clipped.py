@@ -37,7 +37,8 @@ class ClippedJacobian:
         # ĝ_i = inverse_norm_i · g_i, zero for unclipped samples (no projection): the per-sample gradients
         # the operator keeps anyway serve as the directions, no second [B, dθ] copy of unit vectors
         self.inverse_norm = torch.where(clipped, 1.0 / norms.clamp_min(tiny), torch.zeros_like(norms))
-        self.per = per
+        self.per = per  # shared with the operator (and with every restricted copy: rows index into it)
+        self.rows: torch.Tensor | None = None  # which rows of ``per`` are this operator's samples (None: all)
         self.sample_norms = norms
         self.gradient = op.scale * (self.factor @ per)  # Σ_i s_i g_i without a [B, dθ] temporary
         self.unclipped_gradient = op.scale * per.sum(0)
@@ -49,13 +50,25 @@ class ClippedJacobian:
         """(s_i(I − ĝ_iĝ_iᵀ))^power w_i for w [B, k, dθ] (the projection is idempotent: power scales
         by s_i^power). One fused w − (wĝ)ĝᵀ and an in-place scale: these are memory-bound passes over
         B·k·dθ floats, a fifth of the clipped guard's time when written as separate temporaries."""
-        along = torch.bmm(w, self.per.unsqueeze(2)) * self.inverse_norm.square().view(-1, 1, 1)  # [B, k, 1]
-        out = torch.baddbmm(w, along, self.per.unsqueeze(1), alpha=-1)
+        per = self.per if self.rows is None else self.per[self.rows]
+        along = torch.bmm(w, per.unsqueeze(2)) * self.inverse_norm.square().view(-1, 1, 1)  # [B, k, 1]
+        out = torch.baddbmm(w, along, per.unsqueeze(1), alpha=-1)
         return out.mul_(self.factor.pow(power).view(-1, 1, 1))
+
+    def _projection(self, power: int) -> tuple:
+        """(between, extra) for the direct path's fused products: sample i's gradient read from the shared
+        [B, dθ] by its row inside the vmapped call (a restricted operator copies no rows of it)."""
+        per = self.per
+        rows = torch.arange(self.batch_size, device=per.device) if self.rows is None else self.rows
+
+        def between(w: torch.Tensor, row: torch.Tensor, inverse_norm_sq: torch.Tensor,
+                    scale: torch.Tensor) -> torch.Tensor:
+            return _clip_projection(w, per[row], inverse_norm_sq, scale)
+        return between, (rows, self.inverse_norm.square(), self.factor.pow(power))
 
     def j(self, v: torch.Tensor) -> torch.Tensor:
         if self.op.direct:  # projected per sample inside the product: no [B, k, dθ] copy of v
-            return self.op.direct_j(v, _clip_projection, (self.per, self.inverse_norm.square(), self.factor))
+            return self.op.direct_j(v, *self._projection(1))
         return self.op.j(self._project(v))
 
     def jt(self, u: torch.Tensor) -> torch.Tensor:
@@ -65,7 +78,7 @@ class ClippedJacobian:
         """J̄_iJ̄_iᵀu_i = J_i P_i² J_iᵀu_i with P_i² = s_i²(I − ĝ_iĝ_iᵀ): one projection, not two; on the
         direct path fused per sample (``JacobianOperator.direct_kmv``)."""
         if self.op.direct:
-            return self.op.direct_kmv(u, _clip_projection, (self.per, self.inverse_norm.square(), self.factor.square()))
+            return self.op.direct_kmv(u, *self._projection(2))
         return self.op.j(self._project(self.op.jt(u), power=2))
 
     def restricted(self, index: torch.Tensor) -> ClippedJacobian:
@@ -74,7 +87,8 @@ class ClippedJacobian:
         sub.__dict__.update(self.__dict__)
         sub.op = self.op.restricted(index)
         sub.factor, sub.sample_norms = self.factor[index], self.sample_norms[index]
-        sub.per, sub.inverse_norm = self.per[index], self.inverse_norm[index]
+        sub.inverse_norm = self.inverse_norm[index]
+        sub.rows = index if self.rows is None else self.rows[index]  # into the shared per-sample gradients
         return sub
 
 

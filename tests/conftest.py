@@ -92,3 +92,15 @@ def simulation_apps(monkeypatch: pytest.MonkeyPatch):
         from flguard_sim.server_app import make_server_app
 
         yield make_client_app, make_server_app
+
+
+@pytest.fixture
+def server_identity():
+    """Messages are created server-side in Flower; give this process the identity a ServerApp has
+    (for tests that build train messages and call a ClientApp directly)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
+    yield
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved

@@ -6,7 +6,6 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.supercore.task_identity import TaskIdentity
 
 from flguard import GuardConfig
 from flguard.flower import guard_mod, guard_step
@@ -18,13 +17,7 @@ SETTINGS = task.TaskSettings(batch_size=2, lr=0.05, local_steps=1, init="uniform
 OVERRIDES = {"batch-size": 2, "lr": 0.05, "local-steps": 1, "init": "uniform"}
 
 
-@pytest.fixture(autouse=True)
-def _server_identity():
-    """Messages are created server-side in Flower; give this process the identity a ServerApp has."""
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
-    yield
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+pytestmark = pytest.mark.usefixtures("server_identity")  # tests/conftest.py
 
 
 def _context() -> Context:

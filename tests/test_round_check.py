@@ -10,7 +10,6 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.supercore.task_identity import TaskIdentity
 
 from flguard import GuardConfig
 from flguard.flower import guard_mod, weaker_fields
@@ -23,13 +22,7 @@ SETTINGS = task.TaskSettings(model="cnn", batch_size=4, lr=0.05, local_steps=2, 
 OVERRIDES = {"model": "cnn", "batch-size": 4, "lr": 0.05, "local-steps": 2, "init": "default"}
 
 
-@pytest.fixture(autouse=True)
-def _server_identity():
-    """Messages are created server-side in Flower; give this process the identity a ServerApp has."""
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
-    yield
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+pytestmark = pytest.mark.usefixtures("server_identity")  # tests/conftest.py
 
 
 def test_jumps_are_the_change_of_each_tensors_rms_in_units_of_its_scale_or_the_median_tensors():

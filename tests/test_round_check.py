@@ -27,14 +27,16 @@ pytestmark = pytest.mark.usefixtures("server_identity")  # tests/conftest.py
 
 def test_jumps_are_the_change_of_each_tensors_rms_in_units_of_its_scale_or_the_median_tensors():
     assert "steps" not in tensor_scales({"w": np.ones(2), "steps": np.arange(3)})  # integer buffers are skipped
+    # zero-initialised tensors (biases, GroupNorm shifts) are measured, but set no unit: the median is of the rest
+    assert tensor_scales({"w": np.full(2, 0.5), "b1": np.zeros(2), "b2": np.zeros(3)})[MODEL_KEY] == 0.5
     previous = tensor_scales({"w": np.full(4, 1.0), "b": np.zeros(2), "v": np.full(3, 0.5)})
-    assert previous == {"w": 1.0, "b": 0.0, "v": 0.5, MODEL_KEY: 0.5}
+    assert previous == {"w": 1.0, "b": 0.0, "v": 0.5, MODEL_KEY: 0.75}  # the median of the nonzero scales
     current = tensor_scales({"w": np.full(4, -2.0), "b": np.array([0.3, -0.3]), "v": np.full(3, 1000.0)})
     assert current[MODEL_KEY] == 2.0  # the median: the blown-up tensor does not set the unit
     jumps = parameter_jumps(current, previous)
-    assert jumps["w"] == pytest.approx(1.0)  # |2 − 1| / max(1, 0.5)
-    assert jumps["b"] == pytest.approx(0.3 / 0.5)  # a zero tensor is measured in the median tensor's unit
-    assert jumps["v"] == pytest.approx(999.5 / 0.5)
+    assert jumps["w"] == pytest.approx(1.0)  # |2 − 1| / max(1, 0.75)
+    assert jumps["b"] == pytest.approx(0.3 / 0.75)  # a zero tensor is measured in the median tensor's unit
+    assert jumps["v"] == pytest.approx(999.5 / 0.75)
     assert outlier_tensors(current) == {"w": 1.0, "b": pytest.approx(0.15), "v": 500.0}
     assert parameter_jumps({"new": 5.0, MODEL_KEY: 1.0}, previous) == {}  # a tensor not seen before is not compared
 

@@ -9,11 +9,11 @@ parameters before any training and refuses the round with a reply that names the
 
 - **out of scale in the model it arrives in** (no history needed, so it also catches a server that
   fishes a client from the first round it trains): a tensor whose RMS exceeds OUTLIER_FACTOR ×
-  ``max_param_jump`` × the median tensor's RMS (1,000× at 100; honest models measured 2.5–24×,
+  ``max_param_jump`` × the median nonzero tensor RMS (1,000× at 100; honest models measured 2.5–8.4×,
   the GroupNorm ResNets' scales at 1 the largest; class fishing's biases ~10⁴×);
 - **a jump since the last rounds this client trained**: per tensor,
 
-      jump_t = |rms(θ_t) − rms(θ'_t)| / max(rms(θ'_t), median_s rms(θ'_s)),
+      jump_t = |rms(θ_t) − rms(θ'_t)| / max(rms(θ'_t), median over nonzero s of rms(θ'_s)),
 
   θ' an earlier round's parameters (a tensor that starts at zero, like a bias or a GroupNorm
   shift, is measured in the median tensor's unit — robust to the one tensor a server blew up). The
@@ -38,21 +38,22 @@ from flguard.guard.failure import SUSPICIOUS
 
 #: ``context.state`` records of the last two received rounds' per-tensor RMS (newest first).
 HISTORY_KEYS = ("flguard.param-rms.1", "flguard.param-rms.2")
-MODEL_KEY = "__median__"  # the median tensor's RMS, the unit of tensors that start at zero
+MODEL_KEY = "__median__"  # the median nonzero tensor's RMS, the unit of tensors that start at zero
 #: A tensor larger than OUTLIER_FACTOR × max_param_jump × the median tensor's RMS (1,000× at 100) is
-#: refused without history: ResNet-18-GN's GroupNorm scales at initialisation are 24×; class
+#: refused without history: ResNet-18-GN's GroupNorm scales at initialisation are 8.4×; class
 #: fishing's biases ~10⁴×.
 OUTLIER_FACTOR = 10.0
 
 
 def tensor_scales(arrays: Mapping[str, np.ndarray]) -> dict[str, float]:
-    """RMS of each floating-point tensor, and their median under ``MODEL_KEY``."""
+    """RMS of each floating-point tensor, and the median of the nonzero ones under ``MODEL_KEY``."""
     scales = {}
     for name, value in arrays.items():
         value = np.asarray(value)
         if np.issubdtype(value.dtype, np.floating) and value.size:
             scales[name] = math.sqrt(float(np.square(value, dtype=np.float64).mean()))
-    scales[MODEL_KEY] = float(np.median(list(scales.values()))) if scales else 0.0
+    nonzero = [scale for scale in scales.values() if scale > 0]  # zero-initialised tensors set no unit
+    scales[MODEL_KEY] = float(np.median(nonzero)) if nonzero else 0.0
     return scales
 
 

@@ -195,7 +195,7 @@ class GuardConfig(StrictModel):
                                          "up front, replying 'suspicious parameters', when a tensor the server sent "
                                          "is over 10× this × the model's median tensor RMS, or changed scale by more "
                                          "than this × since the client's last two rounds (flguard.flower.round_check; "
-                                         "class fishing's biases ~1e4×, honest models ≤ 24×, honest rounds < 0.1); "
+                                         "class fishing's biases ~1e4×, honest models ≤ 8.4×, honest rounds < 0.1); "
                                          "None: no check")
 
     def __new__(cls, *args: Any, **data: Any) -> "GuardConfig":

@@ -91,7 +91,8 @@ def _clipped_upload_jacobians(model, x, y, clip):
     return torch.stack([jacfwd(term)(x[i].contiguous(), y[i]).reshape(-1, x[i].numel()).T for i in range(len(x))])
 
 
-@pytest.mark.parametrize("defense,products", [("gaussian", "cached"), ("gaussian", "direct"), ("eigen", "direct")])
+@pytest.mark.parametrize("defense,products", [("gaussian", "cached"), ("gaussian", "direct"), ("eigen", "direct"),
+                                              ("rowspace", "cached"), ("rowspace", "direct")])
 def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f(defense, products, monkeypatch):
     """make_guarded with median clipping, exclusion and the 15 dB pixel floor (its pixel box, ε =
     1e-2·λmax) on a 3-channel GroupNorm ResNet fed channels-last inputs: the noise actually applied

@@ -11,7 +11,7 @@ reads for it:
   the failure policy ``on_unmet``/``acknowledge_unguarded``/``max_rel_noise`` and ``seed``: the guard
   measures every defense's noise against τ (a baseline is sent anyway and reported with
   ``guard_met``), clips for every defense, and applies ``on_unmet`` to any defense that fails;
-* ``auto`` (the default), ``gaussian`` and ``eigen`` (``ThresholdGuardConfig``): ``input_bounds``,
+* ``auto`` (the default), ``gaussian``, ``rowspace`` and ``eigen`` (``ThresholdGuardConfig``): ``input_bounds``,
   the box in which the floor they *promise* is verified;
 * ``eigen`` and ``auto`` (which falls back on eigen): ``subspace_size``, ``krylov_steps``, ``gaussian_floor``; ``fixed-gaussian``: ``sigma``;
   ``pruning``: ``keep_ratio``; ``localdp``: Flower's LocalDpMod arguments ``clipping_norm``,
@@ -34,11 +34,11 @@ from flguard.config import ConfigError, StrictModel
 from flguard.defenses.baselines import gaussian_mechanism_std
 from flguard.risk.defaults import DEFAULT_EPS_RELATIVE
 
-DEFENSES = ("none", "auto", "gaussian", "eigen", "fixed-gaussian", "pruning", "localdp")
+DEFENSES = ("none", "auto", "gaussian", "rowspace", "eigen", "fixed-gaussian", "pruning", "localdp")
 #: The defense of ``GuardConfig()``: see AutoGuardConfig.
 DEFAULT_DEFENSE = "auto"
 #: Defenses that promise a per-sample floor (the others are baselines reported honestly).
-THRESHOLD_DEFENSES = ("auto", "gaussian", "eigen")
+THRESHOLD_DEFENSES = ("auto", "gaussian", "rowspace", "eigen")
 #: The default floor, in pixel PSNR (dB): chosen from ``benchmarks/study_floor.py`` (docs/results.md,
 #: "The default floor"): on MNIST digits a reconstruction 15 dB from the truth is at the edge of
 #: recognisable for smooth or faded errors (the trained CNN reads 63–81% of them, SSIM ≤ 0.57) and
@@ -164,7 +164,7 @@ class GuardConfig(StrictModel):
     defense does not take is an error, as in the constructor.
     """
 
-    defense: Literal["none", "auto", "gaussian", "eigen", "fixed-gaussian", "pruning", "localdp"] = DEFAULT_DEFENSE
+    defense: Literal["none", "auto", "gaussian", "rowspace", "eigen", "fixed-gaussian", "pruning", "localdp"] = DEFAULT_DEFENSE
     min_rmse: float | None = Field(None, ge=0.0, description="τ: per-sample floor on predicted RMSE (model-input "
                                    f"units); None: from max_psnr, else {DEFAULT_MAX_PSNR:g} dB ({DEFAULT_MIN_RMSE:.3g} "
                                    "for raw pixels)")
@@ -296,7 +296,7 @@ class ThresholdGuardConfig(GuardConfig):
     others are guarded as usual (``flguard.guard.exclusion``); beyond it, ``on_unmet`` applies.
     """
 
-    defense: Literal["auto", "gaussian", "eigen"] = DEFAULT_DEFENSE
+    defense: Literal["auto", "gaussian", "rowspace", "eigen"] = DEFAULT_DEFENSE
     # the defaults that send on trained models (see DEFAULT_CLIP); the baselines keep no clipping, a
     # budget relative to ‖gradient‖ and rtol 1e-3, so "none" stays the unmodified update
     clip_per_sample: float | Literal["median"] | None = Field(
@@ -344,6 +344,13 @@ class GaussianGuardConfig(ThresholdGuardConfig):
     defense: Literal["gaussian"] = "gaussian"
 
 
+class RowspaceGuardConfig(ThresholdGuardConfig):
+    """``rowspace``: Gaussian input noise carried through the samples' Jacobians (Σ J_iᵀz_i), scaled until
+    every sample's predicted RMSE ≥ τ (``flguard.defenses.rowspace``)."""
+
+    defense: Literal["rowspace"] = "rowspace"
+
+
 class EigenGuardConfig(ThresholdGuardConfig):
     """``eigen``: noise aimed at each sample's weak directions (found by Lanczos), scaled to τ."""
 
@@ -355,8 +362,8 @@ class EigenGuardConfig(ThresholdGuardConfig):
 
 
 class AutoGuardConfig(EigenGuardConfig):
-    """``auto`` (the default): the calibrated Gaussian, and eigen's aimed noise (its fields) on a step
-    where the Gaussian would need more than the budget (``flguard.guard.perturb.AUTO_ORDER``)."""
+    """``auto`` (the default): row-space noise, and eigen's aimed noise (its fields) on a step where
+    row-space noise would need more than the budget (``flguard.guard.perturb.AUTO_ORDER``)."""
 
     defense: Literal["auto"] = "auto"
 
@@ -390,12 +397,13 @@ class LocalDpGuardConfig(LocalDpConfig, GuardConfig):
 
 #: Each defense's model; ``GuardConfig(defense=d)`` builds ``DEFENSE_MODELS[d]``.
 DEFENSE_MODELS: dict[str, type[GuardConfig]] = {
-    "none": NoneGuardConfig, "auto": AutoGuardConfig, "gaussian": GaussianGuardConfig, "eigen": EigenGuardConfig,
+    "none": NoneGuardConfig, "auto": AutoGuardConfig, "gaussian": GaussianGuardConfig, "rowspace": RowspaceGuardConfig,
+    "eigen": EigenGuardConfig,
     "fixed-gaussian": FixedGaussianGuardConfig, "pruning": PruningGuardConfig, "localdp": LocalDpGuardConfig}
 assert tuple(DEFENSE_MODELS) == DEFENSES
 
 #: The same choice as a pydantic field type, discriminated on ``defense``.
-AnyGuardConfig = Annotated[Union[NoneGuardConfig, AutoGuardConfig, GaussianGuardConfig, EigenGuardConfig, FixedGaussianGuardConfig,
+AnyGuardConfig = Annotated[Union[NoneGuardConfig, AutoGuardConfig, GaussianGuardConfig, RowspaceGuardConfig, EigenGuardConfig, FixedGaussianGuardConfig,
                                  PruningGuardConfig, LocalDpGuardConfig], Field(discriminator="defense")]
 
 

@@ -281,8 +281,12 @@ def scale_grid(shift: torch.Tensor, target: float, limit: float) -> list[float]:
     With ``input_bounds`` a sample's certified (box-clipped, minus the solver's slack rtol·c·‖Δx‖)
     error is not monotone in the scale c — the clipped error saturates while the slack grows — so a
     sample certifies on a window of scales, which a doubling search can step over; the samples to
-    keep are chosen where most of them certify, not only at the budget's end."""
+    keep are chosen where most of them certify, not only at the budget's end. The grid spans at most
+    the MAX_SCALES steps below ``limit``: a sample with a near-zero λmax (a fitted sample whose
+    gradient vanishes) can move 10^20× more than the others, and a grid started at its scale ran out
+    of steps decades below the scales where the rest certify."""
     start = from_rmse(target, shift.shape[1]) / max(float(shift.norm(dim=1).max()), 1e-30)
+    start = max(start, limit * SCALE_STEP ** -(MAX_SCALES - 1))
     scales, scale = [], min(start, limit)
     while scale < limit and len(scales) < MAX_SCALES:
         scales.append(scale)

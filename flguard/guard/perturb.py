@@ -1,8 +1,8 @@
 """Perturbing one step: the configured defense's noise direction, calibrated to the floor.
 
 ``Perturber.perturb`` runs the configured kind on the step's (clipped) operator: a threshold defense
-(``gaussian``, ``eigen``) scaled by ``flguard.guard.floor``; ``auto`` tries them in turn on the same
-operator; a baseline (``localdp``, pruning, …) applies its fixed rule and reports the I²F it leaves.
+(``gaussian``, ``rowspace``, ``eigen``) scaled by ``flguard.guard.floor``; ``auto`` tries rowspace, then
+eigen, on the same operator; a baseline (``localdp``, pruning, …) applies its fixed rule and reports the I²F it leaves.
 It raises ``GuardFailure`` on anything it cannot certify; the engine turns that into its policy.
 """
 
@@ -12,6 +12,7 @@ import torch
 
 from flguard.defenses import BASELINES, DefenseContext
 from flguard.defenses.gaussian import isotropic
+from flguard.defenses.rowspace import rowspace
 from flguard.guard.config import THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard.failure import GuardFailure, failure_reason
 from flguard.guard import floor  # its PRECONDITION_CG and SOLVER_MAX_ITER read at call time (tests and benchmarks set them)
@@ -21,34 +22,38 @@ from flguard.risk.closed_forms import to_rmse
 from flguard.risk.clipped import Jacobian
 from flguard.risk.regularised import RegularisedK
 
-#: The calibrated Gaussian's noise direction does not depend on K's spectrum, so its λmax (for ε)
-#: and its I²F solve come from one Lanczos run per sample started at J_iz
-#: (``flguard.risk.lanczos_solve``) instead of a Lanczos run and then PCG: the same certificate
-#: (true-residual bound ‖r‖/ε ≤ rtol‖x‖, ε from λmax's own residual test), about a third fewer
-#: Jacobian products (docs/results.md "One Lanczos run for λmax and the solve"). False: as before.
+#: The noise directions of the calibrated Gaussian (isotropic) and of row-space noise (Σ J_iᵀz_i) do not
+#: depend on K's spectrum, so their λmax (for ε) and their I²F solve come from one Lanczos run per
+#: sample started at J_iδ (``flguard.risk.lanczos_solve``) instead of a Lanczos run and then PCG: the
+#: same certificate (true-residual bound ‖r‖/ε ≤ rtol‖x‖, ε from λmax's own residual test), about a
+#: third fewer Jacobian products (docs/results.md "One Lanczos run for λmax and the solve"). False: as before.
 LANCZOS_SOLVE = True
+#: The kinds whose direction is drawn before the spectrum is known (LANCZOS_SOLVE applies to them).
+ONE_RUN_KINDS = ("gaussian", "rowspace")
 
 
-#: ``defense="auto"`` (the default): the calibrated Gaussian first — isotropic noise, one Lanczos
-#: run per sample — and, when it needs more than the budget, noise aimed at the samples' weak
-#: directions (eigen), which needs far less of it where the parameters outnumber the inputs: on the
-#: trained ResNet-20-GN at B = 8 the Gaussian needed 54–663 C and sent 0 of 5 steps, eigen 5 of 5
-#: (docs/results.md, "The guard on the models practitioners train").
-AUTO_ORDER = ("gaussian", "eigen")
-#: ``auto`` reuses what a step learnt: when the Gaussian needed more than AUTO_SKIP_FACTOR × the budget,
-#: the next AUTO_SKIP_STEPS steps go straight to eigen (the model moves little from one step to the
-#: next; every kind still verifies its own floor, so skipping only saves the Gaussian's products).
+#: ``defense="auto"`` (the default): row-space noise first — Gaussian noise in the inputs carried through
+#: the samples' Jacobians, one summed product and one Lanczos run per sample — and, when it needs more
+#: than the budget, noise aimed at the samples' weak directions (eigen). Measured (docs/results.md,
+#: "Row-space noise"): on the trained quickstart CNN row-space noise met the floor with 7× less noise
+#: than the isotropic Gaussian (which ``auto`` tried first before), on the trained ResNet-20-GN at B = 8
+#: it sent every step that the Gaussian could not (it needed 120–490 C against a 40 C budget), within
+#: 1.4–2.3× of eigen's noise at a sixth of eigen's products.
+AUTO_ORDER = ("rowspace", "eigen")
+#: ``auto`` reuses what a step learnt: when its first kind needed more than AUTO_SKIP_FACTOR × the budget,
+#: the next AUTO_SKIP_STEPS steps go straight to the next (the model moves little from one step to the
+#: next; every kind still verifies its own floor, so skipping only saves the first kind's products).
 AUTO_SKIP_FACTOR = 2.0
 AUTO_SKIP_STEPS = 8
 
 
 class Perturber:
-    """The guard's defense on one step after another; ``auto`` remembers across steps when the
-    Gaussian was far over budget (AUTO_SKIP_STEPS)."""
+    """The guard's defense on one step after another; ``auto`` remembers across steps when its first
+    kind was far over budget (AUTO_SKIP_STEPS)."""
 
     def __init__(self, config: GuardConfig) -> None:
         self.config = config
-        self._skip_gaussian = 0  # auto: steps left that start with eigen (AUTO_SKIP_STEPS)
+        self._skip_first = 0  # auto: steps left that skip AUTO_ORDER's first kind (AUTO_SKIP_STEPS)
 
     def perturb(self, op: Jacobian, flat: torch.Tensor, clip: float | None, generator: torch.Generator,
                 kind: str | None = None) -> Outcome:
@@ -60,8 +65,8 @@ class Perturber:
             return self._auto(op, flat, clip, generator)
         eigen = kind == "eigen"
         lanczos_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=flat.device))
-        if kind == "gaussian" and LANCZOS_SOLVE and cfg.floor > 0:
-            return self._gaussian_in_one_run(op, flat, clip, generator, lanczos_seed)
+        if kind in ONE_RUN_KINDS and LANCZOS_SOLVE and cfg.floor > 0:
+            return self._in_one_run(kind, op, flat, clip, generator, lanczos_seed)
         spectrum = RegularisedK(op).lanczos(rtol=cfg.rtol, ends="max", min_iter=cfg.krylov_steps if eigen else 0,
                                             max_iter=max(floor.SOLVER_MAX_ITER, cfg.krylov_steps if eigen else 0),
                                             return_vectors=eigen or floor.PRECONDITION_CG, seed=lanczos_seed)
@@ -81,19 +86,20 @@ class Perturber:
         return Outcome(noise, rmse, rmse_lb(jd, lambda_max, op.dx), eps, met,
                        "" if met else "baseline misses min_rmse", dict(ctx.info))
 
-    def _gaussian_in_one_run(self, op: Jacobian, flat: torch.Tensor, clip: float | None, generator: torch.Generator,
-                             seed: int) -> Outcome:
-        """The calibrated Gaussian with λmax and the I2F solve of its draw z from one Lanczos run
-        per sample (``LANCZOS_SOLVE``), then scaled to the floor exactly as ``FloorCalibrator.meet`` does."""
+    def _in_one_run(self, kind: str, op: Jacobian, flat: torch.Tensor, clip: float | None,
+                    generator: torch.Generator, seed: int) -> Outcome:
+        """A direction drawn before ε exists (``ONE_RUN_KINDS``: the isotropic draw z, or row-space noise
+        Σ J_iᵀz_i), with λmax and its I2F solve from one Lanczos run per sample (``LANCZOS_SOLVE``), then
+        scaled to the floor exactly as ``FloorCalibrator.meet`` does."""
         cfg = self.config
-        direction = isotropic(op.dtheta, generator, flat)  # gaussian_direction's draw, before ε exists
+        direction = isotropic(op.dtheta, generator, flat) if kind == "gaussian" else rowspace(op, generator)
         shift, jd, converged, lambda_max, eps, lambda_ok = i2f_solve_with_lambda_max(
             op, direction.vector, cfg.eps, cfg.eps_mode == "relative", cfg.rtol, seed=seed, max_iter=floor.SOLVER_MAX_ITER)
         if not bool(lambda_ok.all()) and cfg.max_excluded <= 0:  # else such a sample is one to leave out
             raise GuardFailure("λmax did not converge within the Lanczos limit")
         ctx = DefenseContext(op, flat, eps, lambda_max, generator, cfg)
         solved = checked_solve(shift, jd, converged, allow_unusable=cfg.max_excluded > 0)
-        return FloorCalibrator(cfg, clip).meet(ctx, (direction, solved), kind="gaussian")
+        return FloorCalibrator(cfg, clip).meet(ctx, (direction, solved), kind=kind)
 
     def _auto(self, op: Jacobian, flat: torch.Tensor, clip: float | None,
               generator: torch.Generator) -> Outcome:
@@ -101,10 +107,10 @@ class Perturber:
         same step limit) until one meets the floor within the budget; the last one's outcome otherwise.
         The report's details name the one that was sent (``defense_used``)."""
         reasons, order = [], AUTO_ORDER
-        if self._skip_gaussian > 0:
-            self._skip_gaussian -= 1
-            order = tuple(kind for kind in AUTO_ORDER if kind != "gaussian")
-            reasons.append(f"gaussian: skipped (it needed over {AUTO_SKIP_FACTOR:g}× the budget within the last "
+        if self._skip_first > 0:
+            self._skip_first -= 1
+            order = AUTO_ORDER[1:]
+            reasons.append(f"{AUTO_ORDER[0]}: skipped (it needed over {AUTO_SKIP_FACTOR:g}× the budget within the last "
                            f"{AUTO_SKIP_STEPS} steps)")
         for kind in order:
             try:
@@ -117,8 +123,8 @@ class Perturber:
             if outcome.met:
                 return outcome
             reasons.append(f"{kind}: {outcome.reason}")
-            if kind == "gaussian" and float(outcome.noise.norm()) > AUTO_SKIP_FACTOR * noise_budget(flat, self.config, clip):
-                self._skip_gaussian = AUTO_SKIP_STEPS
+            if kind == AUTO_ORDER[0] and float(outcome.noise.norm()) > AUTO_SKIP_FACTOR * noise_budget(flat, self.config, clip):
+                self._skip_first = AUTO_SKIP_STEPS
         if outcome is None:
             raise GuardFailure("; ".join(reasons))
         outcome.reason = "; ".join(reasons)

@@ -74,6 +74,15 @@ class ClippedJacobian:
     def jt(self, u: torch.Tensor) -> torch.Tensor:
         return self._project(self.op.jt(u))
 
+    def jt_sum(self, u: torch.Tensor) -> torch.Tensor:
+        """Σ_i J̄_iᵀu_i = Σ_i s_iP_iJ_iᵀu_i, u [B, dx] → [dθ], without a [B, dθ]: the plain operator's summed
+        product of the s_iu_i, less the clipped samples' components along their gradients,
+        s_i‖g_i‖⁻²⟨J_ig_i, u_i⟩ g_i (one J product of the per-sample gradients). Two applications."""
+        per = self.per if self.rows is None else self.per[self.rows]
+        along = self.op.j(per.unsqueeze(1))[:, 0]  # J_i g_i [B, dx]
+        weights = self.factor * self.inverse_norm.square() * (along * u).sum(1)  # 0 for an unclipped sample
+        return self.op.jt_sum(self.factor.unsqueeze(1) * u) - weights @ per
+
     def kmv(self, u: torch.Tensor) -> torch.Tensor:
         """J̄_iJ̄_iᵀu_i = J_i P_i² J_iᵀu_i with P_i² = s_i²(I − ĝ_iĝ_iᵀ): one projection, not two; on the
         direct path fused per sample (``JacobianOperator.direct_kmv``)."""

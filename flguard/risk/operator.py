@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import time
 from typing import Callable, Iterator, Literal
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
 import torch.nn.functional as F
+
+from flguard.risk.limits import ProductLimit, ProductLimitReached  # noqa: F401  (re-exported: the operator charges them)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -56,37 +57,6 @@ CACHED_UP_TO = 2 ** 26
 #: in the same time on one CPU thread (benchmarks/bench_operator_products.py --clip). Not measured on a
 #: GPU, where larger chunks may pay.
 DIRECT_CHUNK_FLOATS = 2 ** 24
-
-
-class ProductLimitReached(RuntimeError):
-    """A step's limit on Jacobian products or seconds (``ProductLimit``) was reached; the message names it."""
-
-
-class ProductLimit:
-    """A per-step budget on the operator's work, checked before every product: at most
-    ``max_products`` applications per sample (a product on r of the B samples with k vectors each
-    counts k·r/B, as ``applications`` does) and at most ``max_seconds`` of wall time from its
-    creation. Shared by an operator and every ``restricted`` copy of it, so the solvers' partial
-    products count too. Reaching either raises ``ProductLimitReached`` naming the limit: the
-    caller (the guard) then withholds the step, whatever the solver was doing."""
-
-    def __init__(self, batch_size: int, max_products: float | None = None, max_seconds: float | None = None) -> None:
-        self.batch_size = batch_size
-        self.max_products, self.max_seconds = max_products, max_seconds
-        self.products = 0.0
-        self.start = time.perf_counter()
-
-    def charge(self, vectors: int, rows: int) -> None:
-        """Count a product of ``vectors`` per sample on ``rows`` samples, after checking the limits."""
-        cost = vectors * rows / self.batch_size
-        if self.max_products is not None and self.products + cost > self.max_products + 1e-9:
-            raise ProductLimitReached(f"the step's limit max_products={self.max_products:g} Jacobian products per "
-                                      f"sample was reached ({self.products:.1f} taken)")
-        if self.max_seconds is not None and time.perf_counter() - self.start > self.max_seconds:
-            raise ProductLimitReached(f"the step's limit max_seconds={self.max_seconds:g} was reached "
-                                      f"({time.perf_counter() - self.start:.1f} s, {self.products:.1f} products "
-                                      "per sample)")
-        self.products += cost
 
 
 def default_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -241,6 +211,28 @@ class JacobianOperator:
             tangents = tangents.reshape(batch * k, *self.x.shape)
             out = self._vmap(lambda t: jvp(self._batch_grad, (self.x,), (t,))[1])(tangents)
             return out.reshape(batch, k, self.dtheta)
+
+    def jt_sum(self, u: torch.Tensor) -> torch.Tensor:
+        """Σ_i J_iᵀu_i, u [B, dx] → [dθ]: the batch's J_iᵀ products summed, as one reverse-over-reverse
+        pass of the batch loss — ∇_θ⟨∇_X L(X, θ), U⟩ — with no per-sample vectors in parameter space (the
+        batch's [B, dθ] would be 1.4 GB on a ResNet-18 at B = 32). Exact on both paths: d/dt ∇_θL(X + tU)
+        is the sum of the samples' blocks. One application."""
+        if u.ndim != 2 or u.shape[0] != self.batch_size or u.shape[1] != self.dx:
+            raise ValueError(f"expected vectors of shape [B={self.batch_size}, {self.dx}], got {tuple(u.shape)}")
+        self._charge(self.batch_size, 1)
+        direction = u.reshape(self.x.shape)
+
+        def loss(params: dict[str, torch.Tensor], z: torch.Tensor) -> torch.Tensor:
+            if self.coupled:
+                return self.loss_fn(self._forward(params, z), self.y)
+            # c Σ_i ℓ_i with the operator's own c: a restricted copy's samples keep the whole batch's scale
+            each = vmap(lambda out, label: self.loss_fn(out.unsqueeze(0), label.unsqueeze(0)))
+            return self.scale * each(self._forward(params, z), self.y).sum()
+
+        def input_dot(params: dict[str, torch.Tensor]) -> torch.Tensor:
+            return (grad(lambda z: loss(params, z))(self.x) * direction).sum()
+        with batchnorm_without_running_stats(self.model):
+            return self._flat(grad(input_dot)(self.params))
 
     def _transpose_pullback(self) -> Callable:
         """Per-sample path: the vjp of (θ_1..θ_B) ↦ (∇_{x_i} ℓ(f(x_i; θ_i), y_i))_i at θ_i = θ, built

@@ -196,7 +196,7 @@ def main() -> None:
     parser.add_argument("--defended-restarts", type=int, default=2)
     parser.add_argument("--tag", default="", help="suffix of the output files")
     parser.add_argument("--adaptive", action="store_true", help="also run the adaptive attacker on guarded uploads")
-    parser.add_argument("--guard-defense", default="auto", choices=["auto", "gaussian", "eigen"])
+    parser.add_argument("--guard-defense", default="auto", choices=["auto", "gaussian", "rowspace", "eigen"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from _common import ROOT, study_paths, write_table
 
-GUARDS = ("gaussian", "eigen", "auto")
+GUARDS = ("gaussian", "rowspace", "eigen", "auto")
 
 
 def _float(value: str | None) -> float | None:

@@ -11,8 +11,10 @@ across samples: ‖J_iᵀz_i‖ grows as √tr K_i, so a sample that moves its g
 Why not eigen's few weak directions: this noise covers every direction the gradient moves in, so an
 attacker that discards a subspace of it (``flguard.attacks.adaptive``) discards the signal with it,
 and it costs one summed product instead of a Lanczos run per sample. Measured (docs/results.md,
-"Row-space noise"): on the trained quickstart CNN 7× less noise than the isotropic Gaussian for the
-same floor; on a trained ResNet-20-GN within 1.4–2.3× of eigen's at a sixth of its products.
+"Row-space noise"): on a trained ResNet-18-GN it sent every step the Gaussian could not, at an eighth
+of eigen's products; on the trained quickstart CNN it needs 7× less noise in norm than the Gaussian
+but costs more accuracy (its noise lies in the directions that move the model's outputs), so
+``auto`` tries the Gaussian first.
 The guard scales δ to the floor and verifies it on the noise sent, as for the other directions.
 """
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+
 import torch
 
 from flguard.data import load
@@ -131,3 +133,10 @@ def parse_study_args(parser, *, full: dict, cpu: dict):
             setattr(args, key, value)
     torch.set_num_threads(1)
     return args
+
+
+def in_child(fn, *args):
+    """``fn(*args)`` in a fresh spawned process, its result returned: the child's peak RSS (``ru_maxrss``)
+    is then that call's own, not the benchmark's or an earlier measurement's."""
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)

@@ -10,24 +10,24 @@ is ``photos32`` (``mnist5k`` for the CNN): memory is a property of the architect
 size, not of training.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_guard_memory.py --models resnet18_gn --batch 8,32
+    OMP_NUM_THREADS=1 python benchmarks/bench_guard_memory.py --models resnet18_gn --batch 32 --defense rowspace
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import resource
 import time
 
 import torch
 import torch.nn.functional as F
 
-from _common import study_paths, write_table
+from _common import in_child, study_paths, write_table
 
 DATASETS = {"cnn": "mnist5k", "resnet8_gn": "photos32", "resnet20_gn": "photos32", "resnet18_gn": "photos32"}
 
 
-def _step(name: str, batch: int, steps: int, guarded: bool, seed: int) -> dict:
+def _step(name: str, batch: int, steps: int, guarded: bool, seed: int, defense: str = "auto") -> dict:
     from flguard import Guard, GuardConfig
     from flguard.data import load
     from flguard.models import create
@@ -35,7 +35,7 @@ def _step(name: str, batch: int, steps: int, guarded: bool, seed: int) -> dict:
     torch.manual_seed(seed)
     data = load(DATASETS[name])
     model = create(name, in_channels=data.shape[0], num_classes=data.num_classes, image_size=data.shape[1])
-    guard = Guard(GuardConfig(pixel_mean=data.mean, pixel_std=data.std, seed=seed)) if guarded else None
+    guard = Guard(GuardConfig(defense=defense, pixel_mean=data.mean, pixel_std=data.std, seed=seed)) if guarded else None
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     generator = torch.Generator().manual_seed(seed)
     seconds, products, sent, used, reasons = [], [], 0, [], []
@@ -67,24 +67,20 @@ def _step(name: str, batch: int, steps: int, guarded: bool, seed: int) -> dict:
                 params=sum(p.numel() for p in model.parameters()))
 
 
-def _in_child(*args) -> dict:
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_step, args)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet18_gn")
     parser.add_argument("--batch", default="8,32", help="batch sizes, comma-separated")
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--defense", default="auto", help="the threshold defense (default: the default, auto)")
     args = parser.parse_args()
     rows = []
     for name in args.models.split(","):
         for batch in (int(b) for b in args.batch.split(",")):
-            plain = _in_child(name, batch, args.steps, False, args.seed)
-            guard = _in_child(name, batch, args.steps, True, args.seed)
-            row = dict(model=name, params=plain["params"], B=batch, steps=args.steps, rss_train_gb=plain["rss_gb"],
+            plain = in_child(_step, name, batch, args.steps, False, args.seed)
+            guard = in_child(_step, name, batch, args.steps, True, args.seed, args.defense)
+            row = dict(model=name, params=plain["params"], B=batch, steps=args.steps, defense=args.defense, rss_train_gb=plain["rss_gb"],
                        rss_guard_gb=guard["rss_gb"], ratio=guard["rss_gb"] / plain["rss_gb"],
                        guard_s=sum(guard["seconds"]) / args.steps, products=sum(guard["products"]) / args.steps,
                        sent=f"{guard['sent']}/{args.steps}", used=",".join(guard["used"]))
@@ -92,7 +88,7 @@ def main() -> None:
             print(row, flush=True)
             for reason in guard["reasons"]:
                 print("   withheld:", reason, flush=True)
-    _, table = study_paths("bench_guard_memory")
+    _, table = study_paths("bench_guard_memory" + ("" if args.defense == "auto" else f"_{args.defense}"))
     print(write_table(rows, table))
 
 

@@ -21,7 +21,6 @@ on ``photos32`` (offline 32×32 colour crops). Results go to benchmarks/results/
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import resource
 import statistics
 import time
@@ -29,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from _common import study_paths, synchronize, write_table
+from _common import in_child, study_paths, synchronize, write_table
 
 DATASETS = {"cnn": "mnist5k", "resnet20_gn": "photos32", "resnet18_gn": "photos32", "resnet8_gn": "photos32"}
 LEARNING_RATE = {"cnn": 0.05, "resnet20_gn": 0.05, "resnet18_gn": 0.05, "resnet8_gn": 0.05}
@@ -102,11 +101,6 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
                 params=sum(p.numel() for p in model.parameters()))
 
 
-def _in_child(*args) -> dict:
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_round, args)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="cnn,resnet20_gn")
@@ -129,8 +123,8 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         for batch in (int(b) for b in args.batch.split(",")):
-            plain = _in_child(name, batch, args.steps, args.train_steps, False, args.device, args.seed, settings)
-            guard = _in_child(name, batch, args.steps, args.train_steps, True, args.device, args.seed, settings)
+            plain = in_child(_round, name, batch, args.steps, args.train_steps, False, args.device, args.seed, settings)
+            guard = in_child(_round, name, batch, args.steps, args.train_steps, True, args.device, args.seed, settings)
             row = dict(model=name, guard=" ".join(args.guard) or "defaults", params=plain["params"], B=batch, steps=args.steps, device=args.device,
                        train_ms=plain["ms"], guard_ms=guard["ms"], ratio=guard["ms"] / plain["ms"],
                        products=guard["products"], sent=f"{guard['sent']}/{args.steps}", used=guard["used"],

@@ -23,7 +23,6 @@ random inputs of the model's data shape. Results: benchmarks/results/bench_opera
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import resource
 import statistics
 import time
@@ -31,7 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from _common import study_paths, synchronize, write_table
+from _common import in_child, study_paths, synchronize, write_table
 
 SHAPES = {"cnn": (1, 28), "resnet8_gn": (3, 32), "resnet20_gn": (3, 32), "resnet18_gn": (3, 32)}
 
@@ -91,11 +90,6 @@ def _measure(name: str, batch: int, products: str, device: str, repeats: int, cl
                 kmv_over_train_rss=peak_kmv / peak_train, peak_gb=_peak(device))
 
 
-def _in_child(*args) -> dict:
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_measure, args)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="cnn,resnet20_gn,resnet18_gn")
@@ -109,7 +103,7 @@ def main() -> None:
     for name in args.models.split(","):
         for batch in (int(b) for b in args.batch.split(",")):
             for products in args.paths.split(","):
-                row = _in_child(name, batch, products, args.device, args.repeats, args.clip)
+                row = in_child(_measure, name, batch, products, args.device, args.repeats, args.clip)
                 rows.append(row)
                 print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     _, table = study_paths("bench_operator_products" + ("_clip" if args.clip else ""))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -23,6 +25,12 @@ def _resnet_batch(batch: int = 4):
     return model, x, y
 
 
+@functools.cache
+def _resnet_jacobians() -> torch.Tensor:
+    """The dense blocks of ``_resnet_batch()`` (5,214 autograd calls: built once for the module)."""
+    return dense_jacobians(*_resnet_batch())[0]
+
+
 @pytest.mark.parametrize("products", ["cached", "direct"])
 def test_jt_sum_is_the_sum_of_the_dense_transposed_blocks(products):
     """Σ_i J_iᵀu_i from one reverse-over-reverse pass equals the dense blocks' Σ_i J_i[dx, dθ]ᵀu_i on a
@@ -30,7 +38,7 @@ def test_jt_sum_is_the_sum_of_the_dense_transposed_blocks(products):
     model, x, y = _resnet_batch()
     op = JacobianOperator(model, x, y, products=products)
     u = torch.randn(4, op.dx, dtype=torch.float64)
-    jac, _ = dense_jacobians(model, x, y)
+    jac = _resnet_jacobians()
     expected = torch.einsum("bap,ba->p", jac, u)
     torch.testing.assert_close(op.jt_sum(u), expected, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(op.jt(u.unsqueeze(1)).sum((0, 1)), expected, rtol=1e-9, atol=1e-12)
@@ -48,7 +56,7 @@ def test_clipped_jt_sum_projects_each_clipped_sample():
     clipped = ClippedJacobian(op, float(norms.median()))
     assert 0 < int((norms > clipped.clip).sum()) < 4
     u = torch.randn(4, op.dx, dtype=torch.float64)
-    jac, _ = dense_jacobians(model, x, y)
+    jac = _resnet_jacobians()
     g = op.per_sample_gradients()
     dense = []
     for i in range(4):
@@ -100,3 +108,27 @@ def test_the_scale_grid_reaches_the_budget_despite_a_sample_that_moves_1e20_time
     assert min(grid) >= 10.0 * SCALE_STEP ** -(MAX_SCALES - 1) * (1 - 1e-12)
     near = [c for c in grid if 2.0 <= c <= 10.0]  # the scales where samples 1 and 2 reach the target linearly
     assert len(near) >= 8
+
+
+def test_the_rowspace_direction_is_the_gain_filtered_input_noise_mapped_to_parameters(monkeypatch):
+    """With the filter's solves run to convergence, the direction is Σ_i J_iᵀ(K_i+ε_iI)⁻ᵖz_i written out
+    from the dense float64 blocks, ε_i = 1e-2·λmax(K_i) from ``eigvalsh`` and z from the same stream."""
+    from flguard.defenses import rowspace as module
+
+    monkeypatch.setattr(module, "FILTER_ITER", 200)
+    monkeypatch.setattr(module, "FILTER_RTOL", 1e-10)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 3 * 3, 3)).double()
+    x, y = torch.randn(2, 3, 5, 5, dtype=torch.float64), torch.tensor([0, 2])
+    op = JacobianOperator(model, x, y)
+    jac, _ = dense_jacobians(model, x, y)
+    kernel = jac @ jac.transpose(1, 2)
+    eps = 1e-2 * torch.linalg.eigvalsh(kernel)[:, -1]
+    z = torch.randn(2, op.dx, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    w = z.unsqueeze(-1)
+    shifted = kernel + eps.view(-1, 1, 1) * torch.eye(op.dx, dtype=torch.float64)
+    for _ in range(module.FILTER_POWER):
+        w = torch.linalg.solve(shifted, w)
+    expected = torch.einsum("bap,ba->p", jac, w.squeeze(-1))
+    got = rowspace(op, torch.Generator().manual_seed(4), 1e-2).vector
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-8 * float(expected.abs().max()))

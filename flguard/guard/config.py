@@ -362,9 +362,8 @@ class EigenGuardConfig(ThresholdGuardConfig):
 
 
 class AutoGuardConfig(EigenGuardConfig):
-    """``auto`` (the default): the calibrated Gaussian, row-space noise where the Gaussian would need more
-    than the budget, and eigen's aimed noise (its fields) where row-space noise would too
-    (``flguard.guard.perturb.AUTO_ORDER``)."""
+    """``auto`` (the default): the calibrated Gaussian, and eigen's aimed noise (its fields) on a step
+    where the Gaussian would need more than the budget (``flguard.guard.perturb.AUTO_ORDER``)."""
 
     defense: Literal["auto"] = "auto"
 

@@ -15,7 +15,7 @@ the other directions.
 Measured (docs/results.md, "Row-space noise"): on a trained ResNet-20-GN (B = 8) it sends every step at
 140× a training step and 47 products per sample where eigen takes 557× and 170, but a 5-step round ends
 at 49% accuracy against eigen's 62% (unguarded 67.5%); unfiltered (w_i = z_i, the noise along v_j
-√λ_j(u_jᵀz_i), mostly along the directions that move the model's outputs) it ended at 9.5%. So
+√λ_j(u_jᵀz_i), mostly along the largest-λ directions) it ended at 9.5%. So
 ``auto`` does not use it: it is the choice for a user who trades accuracy for a guard 4× cheaper.
 """
 
@@ -33,16 +33,16 @@ from flguard.risk.regularised import RegularisedK
 #: rough solve serves.
 FILTER_ITER, FILTER_RTOL = 16, 0.1
 #: The filter's power p, w_i = (K_i+ε_iI)⁻ᵖz_i: along v_j the noise is √λ_j/(λ_j+ε)ᵖ·(u_jᵀz_i), which for p = 2
-#: peaks at λ_j = ε/3 and falls as λ_j^(-3/2) above it — less noise along the directions that move the
-#: model's outputs most (they have the largest λ), where it costs accuracy and buys little I²F. Measured on
+#: peaks at λ_j = ε/3 and falls as λ_j^(-3/2) above it — less noise along the directions of largest λ,
+#: which buy little I²F per unit of noise (and, on our reading, cost accuracy). Measured on
 #: the trained ResNet-20-GN, a 5-step guarded round at B = 8 (unguarded 67.5%): p = 1 30.5%, p = 2 48.8%,
 #: p = 3 44.7% (eigen: 61.9%).
 FILTER_POWER = 2
 
 
 def rowspace(op: Jacobian, generator: torch.Generator, eps: float, relative: bool = True) -> Direction:
-    """Σ_i J_iᵀ(K_i + ε_iI)⁻¹z_i for z_i ~ N(0, I_dx) from ``generator``, ε_i = ``eps``·λmax,i (``relative``)
-    or ``eps``."""
+    """Σ_i J_iᵀ(K_i + ε_iI)⁻ᵖz_i (p = ``FILTER_POWER``) for z_i ~ N(0, I_dx) from ``generator``,
+    ε_i = ``eps``·λmax,i (``relative``) or ``eps``."""
     z = torch.randn(op.batch_size, op.dx, generator=generator, dtype=op.dtype, device=op.device)
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=op.device))
     run = RegularisedK(op).solve_with_lambda_max(z, eps, relative=relative, rtol=FILTER_RTOL,

@@ -140,3 +140,15 @@ def in_child(fn, *args):
     is then that call's own, not the benchmark's or an earlier measurement's."""
     with mp.get_context("spawn").Pool(1) as pool:
         return pool.apply(fn, args)
+
+
+def guard_settings(items: list[str]) -> dict:
+    """``FIELD=VALUE`` command-line items as GuardConfig keyword arguments (numbers as floats)."""
+    settings = {}
+    for item in items:
+        field, value = item.split("=", 1)
+        try:
+            settings[field] = float(value)
+        except ValueError:
+            settings[field] = value
+    return settings

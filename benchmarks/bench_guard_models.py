@@ -28,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from _common import in_child, study_paths, synchronize, write_table
+from _common import guard_settings, in_child, study_paths, synchronize, write_table
 
 DATASETS = {"cnn": "mnist5k", "resnet20_gn": "photos32", "resnet18_gn": "photos32", "resnet8_gn": "photos32"}
 LEARNING_RATE = {"cnn": 0.05, "resnet20_gn": 0.05, "resnet18_gn": 0.05, "resnet8_gn": 0.05}
@@ -113,13 +113,7 @@ def main() -> None:
                         help="GuardConfig fields beyond the normalisation (default: none, i.e. the defaults), "
                              "e.g. clip_per_sample=median max_rel_noise=40 max_excluded=0.25 rtol=0.01")
     args = parser.parse_args()
-    settings = {}
-    for item in args.guard:
-        field, value = item.split("=", 1)
-        try:
-            settings[field] = float(value)
-        except ValueError:
-            settings[field] = value
+    settings = guard_settings(args.guard)
     rows = []
     for name in args.models.split(","):
         for batch in (int(b) for b in args.batch.split(",")):

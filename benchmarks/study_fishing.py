@@ -28,7 +28,8 @@ worst margin (floor − PSNR), the guard's sent share, noise in units of C and s
 defense, estimates each target's weak subspace at its first reconstruction and attacks again blind
 to it) on every guarded upload, warm-started from the strongest attack's reconstruction; a target
 is then kept only when both stay under the floor. ``--guard-defense eigen`` forces the aimed noise
-(the one the adaptive attacker is built against) instead of the default ``auto``.
+(the one the adaptive attacker is built against) instead of the default ``auto``; ``--guard
+gaussian_floor=0.5`` adds eigen's isotropic part (any GuardConfig field as FIELD=VALUE).
 
 The undefended uploads are attacked with ``--iterations`` × ``--restarts`` (1,000 × 2), the defended
 ones with the stronger ``--defended-iterations`` × ``--defended-restarts`` (3,000 × 2).
@@ -42,7 +43,7 @@ import time
 import numpy as np
 import torch
 
-from _common import ROOT, flat_gradient, study_argparser, study_paths, write_table
+from _common import ROOT, flat_gradient, guard_settings, study_argparser, study_paths, write_table
 from flguard import Guard, GuardConfig
 from flguard.attacks import metrics
 from flguard.server.fishing import attack_fished, count_targets, fish_class
@@ -112,7 +113,8 @@ def run(args) -> list[dict]:
             print(rows[-1], flush=True)
 
             guard = Guard(GuardConfig(pixel_mean=data.mean, pixel_std=data.std, seed=seed,
-                                      **({"defense": args.guard_defense} if args.guard_defense != "auto" else {})))
+                                      **({"defense": args.guard_defense} if args.guard_defense != "auto" else {}),
+                                      **guard_settings(args.guard)))
             started = time.perf_counter()
             out = guard.protect(fished, x, y, gradient)
             report = out.report
@@ -197,6 +199,8 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="suffix of the output files")
     parser.add_argument("--adaptive", action="store_true", help="also run the adaptive attacker on guarded uploads")
     parser.add_argument("--guard-defense", default="auto", choices=["auto", "gaussian", "rowspace", "eigen"])
+    parser.add_argument("--guard", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="other GuardConfig fields, e.g. gaussian_floor=0.5")
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()

@@ -5,11 +5,11 @@ to the update through the samples' Jacobians.
 Along each right singular vector v_j of J_i the noise is √λ_j/(λ_j+ε)ᵖ·(u_jᵀz_i) — for p = 1 the
 regularised gain that eigen's selection maximises (largest at λ_j = ε) — so, like eigen, the noise
 goes where a unit of it moves sample i's reconstruction most, but over every direction with Gaussian
-weights instead of a few chosen ones: an attacker that discards a subspace of it (``flguard.attacks.adaptive``)
-discards a share, not all of it. The filter is one loose Lanczos run per sample and p − 1 loose CG
-solves (``FILTER_ITER`` products each at most, ε_i from the run's own λmax estimate; the filter only
-shapes the direction, nothing is certified by it), then one summed transpose product: a fraction of eigen's 64-step Lanczos run
-and its k-vector map. The guard scales δ to the floor and verifies it on the noise sent, as for
+weights instead of a few chosen ones: an attacker that discards a subspace of it
+(``flguard.attacks.adaptive``) discards a share, not all of it. The filter is one loose Lanczos run per
+sample and p − 1 loose CG solves (``FILTER_ITER`` products each at most, ε_i from the run's own λmax
+estimate; the filter only shapes the direction, nothing is certified by it), then one summed
+transpose product: a fraction of eigen's 64-step Lanczos run and its k-vector map. The guard scales δ to the floor and verifies it on the noise sent, as for
 the other directions.
 
 Measured (docs/results.md, "Row-space noise"): on a trained ResNet-20-GN (B = 8) it sends every step at

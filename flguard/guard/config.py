@@ -345,8 +345,9 @@ class GaussianGuardConfig(ThresholdGuardConfig):
 
 
 class RowspaceGuardConfig(ThresholdGuardConfig):
-    """``rowspace``: Gaussian input noise carried through the samples' Jacobians (Σ J_iᵀz_i), scaled until
-    every sample's predicted RMSE ≥ τ (``flguard.defenses.rowspace``)."""
+    """``rowspace``: Gaussian input noise, filtered by each sample's regularised gain and carried through
+    the samples' Jacobians (Σ J_iᵀ(K_i+εI)⁻²z_i), scaled until every sample's predicted RMSE ≥ τ
+    (``flguard.defenses.rowspace``): a quarter of eigen's products, less accuracy (docs/results.md)."""
 
     defense: Literal["rowspace"] = "rowspace"
 

@@ -22,11 +22,12 @@ from flguard.risk.closed_forms import to_rmse
 from flguard.risk.clipped import Jacobian
 from flguard.risk.regularised import RegularisedK
 
-#: The noise directions of the calibrated Gaussian (isotropic) and of row-space noise (Σ J_iᵀz_i) do not
-#: depend on K's spectrum, so their λmax (for ε) and their I²F solve come from one Lanczos run per
-#: sample started at J_iδ (``flguard.risk.lanczos_solve``) instead of a Lanczos run and then PCG: the
-#: same certificate (true-residual bound ‖r‖/ε ≤ rtol‖x‖, ε from λmax's own residual test), about a
-#: third fewer Jacobian products (docs/results.md "One Lanczos run for λmax and the solve"). False: as before.
+#: The calibrated Gaussian's direction and row-space noise need no Ritz vectors from the verification's
+#: spectrum (row-space noise's filter runs a rough Lanczos of its own), so their λmax (for ε) and their
+#: I²F solve come from one Lanczos run per sample started at J_iδ (``flguard.risk.lanczos_solve``)
+#: instead of a Lanczos run and then PCG: the same certificate (true-residual bound ‖r‖/ε ≤ rtol‖x‖, ε
+#: from λmax's own residual test), about a third fewer Jacobian products (docs/results.md "One Lanczos
+#: run for λmax and the solve"). False: as before.
 LANCZOS_SOLVE = True
 #: The kinds whose direction is drawn before the spectrum is known (LANCZOS_SOLVE applies to them).
 ONE_RUN_KINDS = ("gaussian", "rowspace")
@@ -88,9 +89,9 @@ class Perturber:
 
     def _in_one_run(self, kind: str, op: Jacobian, flat: torch.Tensor, clip: float | None,
                     generator: torch.Generator, seed: int) -> Outcome:
-        """A direction drawn before ε exists (``ONE_RUN_KINDS``: the isotropic draw z, or row-space noise
-        Σ J_iᵀz_i), with λmax and its I2F solve from one Lanczos run per sample (``LANCZOS_SOLVE``), then
-        scaled to the floor exactly as ``FloorCalibrator.meet`` does."""
+        """A direction drawn before the verification's ε exists (``ONE_RUN_KINDS``: the isotropic draw z, or
+        row-space noise Σ J_iᵀw_i), with λmax and its I2F solve from one Lanczos run per sample
+        (``LANCZOS_SOLVE``), then scaled to the floor exactly as ``FloorCalibrator.meet`` does."""
         cfg = self.config
         direction = isotropic(op.dtheta, generator, flat) if kind == "gaussian" else rowspace(op, generator, cfg.eps, cfg.eps_mode == "relative")
         shift, jd, converged, lambda_max, eps, lambda_ok = i2f_solve_with_lambda_max(

@@ -32,11 +32,17 @@ def _resnet_jacobians() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("products", ["cached", "direct"])
-def test_jt_sum_is_the_sum_of_the_dense_transposed_blocks(products):
-    """Σ_i J_iᵀu_i from one reverse-over-reverse pass equals the dense blocks' Σ_i J_i[dx, dθ]ᵀu_i on a
-    channels-last GroupNorm ResNet, and the per-sample ``jt`` rows summed; one application charged."""
+def test_jt_sum_is_the_sum_of_the_dense_transposed_blocks(products, monkeypatch):
+    """Σ_i J_iᵀu_i from reverse-over-reverse passes equals the dense blocks' Σ_i J_i[dx, dθ]ᵀu_i on a
+    channels-last GroupNorm ResNet, and the per-sample ``jt`` rows summed; one application charged. On
+    the direct path the passes run two samples at a time (as a ResNet-18's run one)."""
+    from flguard.risk import operator
+
     model, x, y = _resnet_batch()
+    if products == "direct":
+        monkeypatch.setattr(operator, "DIRECT_CHUNK_FLOATS", 2 * sum(p.numel() for p in model.parameters()))
     op = JacobianOperator(model, x, y, products=products)
+    assert op.sample_chunk == (2 if products == "direct" else op.sample_chunk)
     u = torch.randn(4, op.dx, dtype=torch.float64)
     jac = _resnet_jacobians()
     expected = torch.einsum("bap,ba->p", jac, u)

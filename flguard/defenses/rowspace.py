@@ -9,8 +9,8 @@ weights instead of a few chosen ones: an attacker that discards a subspace of it
 (``flguard.attacks.adaptive``) discards a share, not all of it. The filter is one loose Lanczos run per
 sample and p − 1 loose CG solves (``FILTER_ITER`` products each at most, ε_i from the run's own λmax
 estimate; the filter only shapes the direction, nothing is certified by it), then one summed
-transpose product: a fraction of eigen's 64-step Lanczos run and its k-vector map. The guard scales δ to the floor and verifies it on the noise sent, as for
-the other directions.
+transpose product: a fraction of eigen's 64-step Lanczos run and its k-vector map. The guard
+scales δ to the floor and verifies it on the noise sent, as for the other directions.
 
 Measured (docs/results.md, "Row-space noise"): on a trained ResNet-20-GN (B = 8) it sends every step at
 140× a training step and 47 products per sample where eigen takes 557× and 170, but a 5-step round ends
@@ -32,8 +32,8 @@ from flguard.risk.regularised import RegularisedK
 #: filter shapes the direction only (every sample's floor is verified on the noise sent), so a
 #: rough solve serves.
 FILTER_ITER, FILTER_RTOL = 16, 0.1
-#: The filter's power p, w_i = (K_i+ε_iI)⁻ᵖz_i: along v_j the noise is √λ_j/(λ_j+ε)ᵖ·(u_jᵀz_i), which for p = 2
-#: peaks at λ_j = ε/3 and falls as λ_j^(-3/2) above it — less noise along the directions of largest λ,
+#: The filter's power p, w_i = (K_i+ε_iI)⁻ᵖz_i: along v_j the noise is √λ_j/(λ_j+ε)ᵖ·(u_jᵀz_i), which for
+#: p = 2 peaks at λ_j = ε/3 and falls as λ_j^(-3/2) above it — less noise along the directions of largest λ,
 #: which buy little I²F per unit of noise (and, on our reading, cost accuracy). Measured on
 #: the trained ResNet-20-GN, a 5-step guarded round at B = 8 (unguarded 67.5%): p = 1 30.5%, p = 2 48.8%,
 #: p = 3 44.7% (eigen: 61.9%).

@@ -93,7 +93,8 @@ class Perturber:
         row-space noise Σ J_iᵀw_i), with λmax and its I2F solve from one Lanczos run per sample
         (``LANCZOS_SOLVE``), then scaled to the floor exactly as ``FloorCalibrator.meet`` does."""
         cfg = self.config
-        direction = isotropic(op.dtheta, generator, flat) if kind == "gaussian" else rowspace(op, generator, cfg.eps, cfg.eps_mode == "relative")
+        direction = (isotropic(op.dtheta, generator, flat) if kind == "gaussian"
+                     else rowspace(op, generator, cfg.eps, cfg.eps_mode == "relative"))
         shift, jd, converged, lambda_max, eps, lambda_ok = i2f_solve_with_lambda_max(
             op, direction.vector, cfg.eps, cfg.eps_mode == "relative", cfg.rtol, seed=seed, max_iter=floor.SOLVER_MAX_ITER)
         if not bool(lambda_ok.all()) and cfg.max_excluded <= 0:  # else such a sample is one to leave out

@@ -42,7 +42,8 @@ def test_jt_sum_is_the_sum_of_the_dense_transposed_blocks(products, monkeypatch)
     if products == "direct":
         monkeypatch.setattr(operator, "DIRECT_CHUNK_FLOATS", 2 * sum(p.numel() for p in model.parameters()))
     op = JacobianOperator(model, x, y, products=products)
-    assert op.sample_chunk == (2 if products == "direct" else op.sample_chunk)
+    if products == "direct":
+        assert op.direct and op.sample_chunk == 2
     u = torch.randn(4, op.dx, dtype=torch.float64)
     jac = _resnet_jacobians()
     expected = torch.einsum("bap,ba->p", jac, u)

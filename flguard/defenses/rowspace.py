@@ -47,14 +47,19 @@ def rowspace(op: Jacobian, generator: torch.Generator, eps: float, relative: boo
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=op.device))
     run = RegularisedK(op).solve_with_lambda_max(z, eps, relative=relative, rtol=FILTER_RTOL,
                                                  max_iter=FILTER_ITER, seed=seed)
-    filtered = run.solution
+    filtered = _finite(run.solution)
     for _ in range(FILTER_POWER - 1):  # (K+εI)⁻ᵖ: the same ε, each further power one more rough solve
-        filtered = RegularisedK(op, run.eps).solve(torch.nan_to_num(filtered), rtol=FILTER_RTOL,
-                                                   max_iter=FILTER_ITER).solution
-    vector = op.jt_sum(torch.nan_to_num(filtered, nan=0.0, posinf=0.0, neginf=0.0))
+        filtered = _finite(RegularisedK(op, run.eps).solve(filtered, rtol=FILTER_RTOL, max_iter=FILTER_ITER).solution)
+    vector = op.jt_sum(filtered)
     if not bool(torch.isfinite(vector).all()) or not bool(vector.any()):
         raise RuntimeError("row-space noise: the samples' Jacobians map the input noise to zero or non-finite values")
     return Direction(vector, {"kind": "rowspace"})
+
+
+def _finite(w: torch.Tensor) -> torch.Tensor:
+    """A rough solve's output with non-finite entries (a sample whose ε underflowed) set to 0: that
+    sample then gets no noise of its own, and the verification on the noise sent decides about it."""
+    return torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def rowspace_direction(ctx: DefenseContext) -> Direction:

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 from flguard import Guard, GuardConfig, data
 from flguard.attacks import metrics
+from flguard.attacks.base import split_gradient
+from flguard.attacks.unroll import simulate_update
 from flguard.guard.failure import SUSPICIOUS
 from flguard.models import create
 from flguard.server.fishing import (attack_fished, count_targets, fish_class, fish_feature, last_linear,
@@ -103,7 +105,28 @@ def test_attack_fished_recovers_the_lone_target_of_a_batch_of_eight():
     psnr = float(metrics.psnr(dataset.denormalize(rec.images).clamp(0, 1), dataset.images[target:target + 1]))
     assert psnr > 30.0, psnr
     with pytest.raises(ValueError, match="one-step"):
-        attack_fished(fished, ClientUpdate(update.gradient, [], 16, 2, 0.1), 3, (1, 28, 28))
+        count_targets(ClientUpdate(update.gradient, [], 16, 2, 0.1), fished, 3)
+
+
+def test_attack_fished_unrolls_a_two_step_upload_and_recovers_the_first_steps_target():
+    """A 2-step upload of 2 + 2 samples from the fished sigmoid LeNet, the class-3 sample in the first
+    step's batch: ``attack_fished`` unrolls the client's steps (lr 0.1, batches of 2) and the target
+    comes back above 30 dB — the first step's feature gradient is its alone — while the second step's
+    samples, whose gradients mix once the zeroed rows have trained back, do not (< 15 dB)."""
+    dataset = data.load("mnist5k")
+    torch.manual_seed(0)
+    model = create("lenet", in_channels=1, num_classes=10, image_size=28, init="uniform")
+    target = (dataset.labels == 3).nonzero()[0, 0]
+    others = (dataset.labels != 3).nonzero()[:3, 0]
+    index = torch.cat([others[:1], target.view(1), others[1:]])
+    x, y = dataset.normalize(dataset.images[index]), dataset.labels[index]
+    fished = fish_class(model, 3)
+    steps = split_gradient(fished, simulate_update(fished, x, y, local_steps=2, local_lr=0.1, local_batch_size=2))
+    upload = ClientUpdate([-u / 0.2 for u in steps], steps, 4, 2, 0.1)
+    rec = attack_fished(fished, upload, 3, (1, 28, 28), method="dlg", iterations=15, seed=0, labels=y.tolist())
+    assert rec.images.shape == (4, 1, 28, 28) and rec.extra["targets"] == 1 and rec.extra["unrolled"] == 2
+    psnr = metrics.psnr(dataset.denormalize(rec.images).clamp(0, 1), dataset.images[index])
+    assert float(psnr[1]) > 30.0 and float(psnr[2:].max()) < 15.0, psnr
 
 
 @pytest.mark.parametrize("name,shape", [("cnn", (1, 28, 28)), ("resnet8_gn", (3, 16, 16))])

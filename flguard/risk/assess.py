@@ -161,13 +161,16 @@ def i2f_solve(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float,
 
 
 def i2f_solve_with_lambda_max(op: Jacobian, delta: torch.Tensor, eps: float, relative: bool, rtol: float,
-                              seed: int = 0, max_iter: int | None = None) -> tuple[torch.Tensor, ...]:
+                              seed: int = 0, max_iter: int | None = None,
+                              skip: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """``i2f_solve`` with ε_i = eps·λmax_i (``relative``) or eps set by the same run: one Lanczos run
     per sample started at J_iδ gives λmax and the solve (``flguard.risk.lanczos_solve``) — for a δ
     that does not depend on K's spectrum. Returns (shift [B, dx], ‖J_iδ‖, converged, λmax, ε,
-    λmax converged); converged: λmax's test and the true-residual bound ‖r‖/ε ≤ rtol‖shift‖."""
+    λmax converged); converged: λmax's test and the true-residual bound ‖r‖/ε ≤ rtol‖shift‖. ``skip``:
+    samples left unsolved (shift 0, not converged)."""
     b = jacobian_product(op, delta)
-    run = RegularisedK(op).solve_with_lambda_max(b, eps, relative=relative, rtol=rtol, seed=seed, max_iter=max_iter)
+    run = RegularisedK(op).solve_with_lambda_max(b, eps, relative=relative, rtol=rtol, seed=seed, max_iter=max_iter,
+                                                 skip=skip)
     return run.solution, b.norm(dim=1), run.converged, run.lambda_max, run.eps, run.lambda_converged
 
 

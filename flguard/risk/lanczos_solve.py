@@ -49,12 +49,13 @@ class LanczosSolveResult:
 
 def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bool = True, rtol: float = 1e-3,
                   max_iter: int | None = None, rows_matvec: RowsMatvec | None = None,
-                  seed: int = 0) -> LanczosSolveResult:
+                  seed: int = 0, skip: torch.Tensor | None = None) -> LanczosSolveResult:
     """λmax of each PSD A_i and (A_i + ε_iI)⁻¹rhs_i, ε_i = eps·λmax_i (``relative``) or eps, from one
     Lanczos run per sample started at rhs_i (a random start where rhs_i = 0: x = 0 there).
 
     ``max_iter`` caps each sample's basis (default n). ``rows_matvec``: products on the samples that
-    need them only (iterating or being verified).
+    need them only (iterating or being verified). ``skip`` [B] bool: samples not to solve at all — no
+    product, x = 0, neither λmax nor the solve converged (a caller that can leave them out).
     """
     batch, dim = rhs.shape
     limit = dim if max_iter is None else min(max_iter, dim)
@@ -73,6 +74,8 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
     beta = torch.zeros(batch, capacity, dtype=dtype, device=device)
     length = torch.zeros(batch, dtype=torch.long, device=device)  # Lanczos products taken per sample
     phase = torch.full((batch,), _ITERATE, dtype=torch.long, device=device)
+    if skip is not None:
+        phase = torch.where(skip.to(device), torch.full_like(phase, _DONE), phase)
     refine = torch.zeros(batch, dtype=torch.bool, device=device)
     x = torch.zeros_like(rhs)
     lambda_max, shift, bound = (torch.zeros(batch, dtype=dtype, device=device) for _ in range(3))

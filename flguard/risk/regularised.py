@@ -129,10 +129,12 @@ class RegularisedK:
         return conjugate_gradient(self._kernel, rhs, shift, rtol=rtol, max_iter=max_iter, rows_matvec=rows)
 
     def solve_with_lambda_max(self, rhs: torch.Tensor, eps: float, *, relative: bool = True, rtol: float = 1e-3,
-                              max_iter: int | None = None, seed: int = 0) -> LanczosSolveResult:
+                              max_iter: int | None = None, seed: int = 0,
+                              skip: torch.Tensor | None = None) -> LanczosSolveResult:
         """λmax of K_i and (K_i + ε_iI)⁻¹rhs_i with ε_i = eps·λmax_i (``relative``) or eps, from one
         Lanczos run per sample started at rhs_i (``flguard.risk.lanczos_solve``): this object's own
-        ε is not used — the run sets it. Products on the samples still iterating only, as ``solve``."""
+        ε is not used — the run sets it. Products on the samples still iterating only, as ``solve``;
+        none on the samples ``skip`` marks."""
         rows = ShrinkingProducts(self.op) if SHRINK_TO_ACTIVE and not base_operator(self.op).coupled else None
         return lanczos_solve(self._kernel, rhs, eps=eps, relative=relative, rtol=rtol, max_iter=max_iter,
-                             rows_matvec=rows, seed=seed)
+                             rows_matvec=rows, seed=seed, skip=skip)

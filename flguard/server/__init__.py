@@ -18,7 +18,8 @@ nor the attacks. One concept per module:
 - ``truth``: ``TruthReader``, the server half of the simulation-only true-batch channel.
 """
 
-from flguard.server.fishing import FISHING_KINDS, attack_fished, count_targets, fish_class, fish_feature
+from flguard.server.fishing import (FISHING_KINDS, attack_fished, attack_fished_unrolled, count_targets, fish_class,
+                                    fish_feature)
 from flguard.server.results import ROW_FIELDS, ResultWriter, save_grid
 from flguard.server.runner import AttackRunner, CapturedUpload
 from flguard.server.scoring import Scorer, score_batch
@@ -36,6 +37,7 @@ __all__ = [
     "fish_feature",
     "count_targets",
     "attack_fished",
+    "attack_fished_unrolled",
     "AttackSpec",
     "UploadAttack",
     "ClientUpdate",

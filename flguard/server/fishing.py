@@ -20,7 +20,12 @@ both moves here rewrite the last linear layer (W ∈ R^{C×h}, b ∈ R^C) of a c
   across rounds, which a Flower client does not promise.
 
 ``attack_fished`` inverts the isolated sample(s) with the strongest attack on the fished model, the
-last layer frozen (its gradient also holds every other sample's softmax terms).
+last layer frozen (its gradient also holds every other sample's softmax terms). On a K-step upload
+the isolation lasts one step — the zeroed rows get gradients (p_j − [y = j])·h and train back, and
+from the second step on every sample's gradient flows — so it unrolls the client's K steps from the
+fished θ0 over all K·b samples instead (``flguard.attacks.unroll``) and the class-t reconstructions
+are the server's; whether fishing still buys anything there is measured, not assumed
+(``benchmarks/study_fishing_multistep.py``).
 """
 
 from __future__ import annotations
@@ -144,8 +149,12 @@ def frozen_classifier(model: nn.Module) -> nn.Module:
 
 
 def attack_fished(model: nn.Module, upload: Any, target: int, input_shape: Sequence[int], *,
-                  batch_size: int | None = None, count: int | None = None, **attack_kwargs: Any) -> Reconstruction:
-    """Invert the class-``target`` sample(s) of a fished one-step upload.
+                  batch_size: int | None = None, count: int | None = None,
+                  labels: torch.Tensor | Sequence[int] | None = None, **attack_kwargs: Any) -> Reconstruction:
+    """Invert the class-``target`` sample(s) of a fished upload.
+
+    A multi-step upload (a ``ClientUpdate`` with ``local_steps`` K > 1) goes to ``attack_fished_unrolled``
+    (``labels``: its K·b labels in step order, else recovered from the update).
 
     ``model`` holds the fished parameters the server sent; ``upload`` the decoded ``ClientUpdate``
     (or its gradient, with ``batch_size``). The layers before the last carry Σ_{y_i = t} ∇ℓ_i / B,
@@ -154,6 +163,8 @@ def attack_fished(model: nn.Module, upload: Any, target: int, input_shape: Seque
     that gradient. ``attack_kwargs`` go to ``reconstruct`` (default ``method="strongest"``).
     ``extra['targets']`` is n, ``extra['fished_class']`` t.
     """
+    if isinstance(upload, ClientUpdate) and upload.local_steps > 1:
+        return attack_fished_unrolled(model, upload, target, input_shape, labels=labels, **attack_kwargs)
     gradient, batch = _gradient_and_batch(upload, model, batch_size)
     if batch is None:
         raise ValueError("attack_fished needs the upload's batch size (a ClientUpdate, or batch_size=)")
@@ -167,4 +178,23 @@ def attack_fished(model: nn.Module, upload: Any, target: int, input_shape: Seque
     result = reconstruct(frozen_classifier(model), kept, input_shape, labels=[int(target)] * n, batch_size=n,
                          **attack_kwargs)
     result.extra.update(targets=n, fished_class=int(target))
+    return result
+
+
+def attack_fished_unrolled(model: nn.Module, upload: ClientUpdate, target: int, input_shape: Sequence[int], *,
+                           labels: torch.Tensor | Sequence[int] | None = None, **attack_kwargs: Any) -> Reconstruction:
+    """Invert a fished K-step upload θ_K − θ_0: the client's K SGD steps (learning rate ``upload.lr``,
+    consecutive mini-batches of b = K·b / K samples) unrolled from the fished θ_0 over all K·b
+    candidates (Geiping et al. 2020 §5), every parameter matched — the classifier's update is part of
+    what the server sees, and it is no longer zero after the first step. ``labels``: the K·b labels in
+    step order (default: recovered from the update). ``extra['targets']`` counts the candidates
+    labelled ``target``; ``extra['unrolled']`` is K."""
+    steps, total = upload.local_steps, upload.batch_size
+    if total % steps:
+        raise ValueError(f"a {steps}-step upload of {total} images: the steps' batches are not whole")
+    _checked_target(last_linear(model)[1], target)
+    attack_kwargs.setdefault("method", "strongest")
+    result = reconstruct(model, upload.update, input_shape, labels=labels, batch_size=total, local_steps=steps,
+                         local_lr=upload.lr, local_batch_size=total // steps, **attack_kwargs)
+    result.extra.update(targets=int((result.labels == int(target)).sum()), fished_class=int(target), unrolled=steps)
     return result

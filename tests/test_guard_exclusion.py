@@ -179,3 +179,34 @@ def test_the_scale_grid_finds_a_narrow_window_where_a_boxed_sample_certifies():
     assert not bool(reachable_at(x, shift, bounds, 1.77, tau, rtol)[0])
     inside = [c for c in scale_grid(shift, tau * (1 + 2 * rtol), 10.0) if bool(reachable_at(x, shift, bounds, c, tau, rtol)[0])]
     assert inside and all(0.97 <= c <= 1.28 for c in inside)
+
+
+@pytest.mark.parametrize("defense", ["gaussian", "rowspace"])
+def test_negligible_samples_are_left_out_unsolved_and_the_rest_meet_the_floor(monkeypatch, defense):
+    """The one-run solve skips the negligible samples (here the share is raised so that the two smallest
+    gradients count) and the floor leaves them out free of ``max_excluded`` (0: none else may go): the
+    update sent is the other samples' gradients plus the noise, each of them meets τ under dense
+    float64 I²F, and the solve took fewer products than solving every sample."""
+    import flguard.guard.exclusion as exclusion
+    import flguard.guard.perturb as perturb
+
+    model, x, y = _problem(batch=6, seed=1)
+    jac, g = dense_jacobians(model, x, y)
+    norms = _per_sample(model, x, y).norm(dim=1)
+    order = norms.argsort()
+    monkeypatch.setattr(exclusion, "NEGLIGIBLE_SHARE", float((norms[order[1]] + norms[order[2]]) / 2 / norms.max()))
+    cfg = unclipped(defense=defense, min_rmse=TAU, seed=3, max_rel_noise=1e6, max_excluded=0.01)
+    monkeypatch.setattr(perturb, "SKIP_NEGLIGIBLE", False)
+    solved_all = Guard(cfg).protect(model, x, y, g)
+    monkeypatch.setattr(perturb, "SKIP_NEGLIGIBLE", True)
+    out = Guard(cfg).protect(model, x, y, g)
+    assert out.report.met and out.gradient is not None
+    left = order[:2].tolist()
+    kept = [i for i in range(len(x)) if i not in left]
+    assert out.report.details["excluded"] == out.report.details["excluded_negligible"] == 2
+    assert bool(torch.isinf(out.report.rmse_after[left]).all())
+    delta = out.gradient - _per_sample(model, x, y)[kept].sum(0)  # sent = kept gradients + noise, exactly
+    torch.testing.assert_close(float(delta.norm()), out.report.noise_norm)
+    rmse = _shift(jac[kept], delta, out.report.eps[kept]).norm(dim=1) / x[0].numel() ** 0.5
+    assert bool((rmse >= TAU).all()), rmse
+    assert out.report.matvecs < solved_all.report.matvecs, (out.report.matvecs, solved_all.report.matvecs)

@@ -145,3 +145,27 @@ def test_pcg_from_a_starting_x_keeps_its_bound_and_needs_fewer_products():
     assert bool(warm.converged.all()) and bool(cold.converged.all())
     assert torch.all((warm.solution - exact).norm(dim=1) <= warm.error_bound)
     assert warm.matvecs < cold.matvecs, (warm.matvecs, cold.matvecs)
+
+
+def test_skipped_samples_take_no_product_and_leave_the_others_unchanged():
+    """``skip``: those samples are never in a product (rows_matvec is never asked for them), come back
+    x = 0 and not converged; the other samples' λmax, ε and solution are the unskipped run's."""
+    kernel, rhs = outlier_kernels(seed=3)
+    asked: list[torch.Tensor] = []
+
+    def rows_matvec(u, rows):
+        asked.append(rows.clone())
+        return torch.einsum("bij,bj->bi", kernel[rows], u)
+
+    skip = torch.tensor([False, True, False, True])
+    run = lanczos_solve(_matvec(kernel), rhs, eps=1e-2, rtol=1e-3, rows_matvec=rows_matvec, skip=skip)
+    full = lanczos_solve(_matvec(kernel), rhs, eps=1e-2, rtol=1e-3)
+    assert asked and not any(bool(torch.isin(rows, torch.tensor([1, 3])).any()) for rows in asked)
+    assert not bool(run.converged[skip].any()) and not bool(run.lambda_converged[skip].any())
+    assert torch.equal(run.solution[skip], torch.zeros_like(run.solution[skip]))
+    assert bool(run.converged[~skip].all())
+    for got, want in ((run.solution, full.solution), (run.lambda_max, full.lambda_max), (run.eps, full.eps)):
+        torch.testing.assert_close(got[~skip], want[~skip], rtol=1e-10, atol=0)
+    exact = dense_shifted_solve(kernel, rhs, run.eps)[~skip]
+    assert torch.all((run.solution[~skip] - exact).norm(dim=1) <= run.error_bound[~skip])
+

@@ -76,16 +76,23 @@ def localdp_gradient(gradient: torch.Tensor, lr: float, dp, generator: torch.Gen
     return -noisy / lr
 
 
-def run(args) -> list[dict]:
+def demo_task(config_path: str, device: str):
+    """The demo's task as its server builds it: (compare config, TaskSettings, dataset, the public
+    indices, the warm-started model in eval mode on ``device``)."""
     from flguard.compare.config import load_config
     from flguard.simulation.task import TaskSettings, initial_model, load_dataset, public_indices
-    from flguard.guard.config import LocalDpConfig
 
-    config = load_config(args.config)
+    config = load_config(config_path)
     settings = TaskSettings.from_config(config.run_config(config.defense("none")))
     data = load_dataset(settings.dataset)
     public = public_indices(settings.dataset, settings.public_examples, settings.seed)
-    model = initial_model(settings).eval().to(args.device)
+    return config, settings, data, public, initial_model(settings).eval().to(device)
+
+
+def run(args) -> list[dict]:
+    from flguard.guard.config import LocalDpConfig
+
+    config, settings, data, public, model = demo_task(args.config, args.device)
     dp_spec = config.defense("localdp")
     dp = LocalDpConfig(clipping_norm=dp_spec.clipping_norm, sensitivity=dp_spec.sensitivity,
                        epsilon=dp_spec.epsilon, delta=dp_spec.delta)
@@ -205,9 +212,14 @@ def main() -> None:
     torch.set_num_threads(1)
     started = time.perf_counter()
     rows = run(args)
-    _, table_path = study_paths(f"study_fishing{args.tag}")
-    write_table(rows, table_path.with_name(f"study_fishing{args.tag}_samples.csv"))
-    print(write_table(summarise(rows), table_path))
+    write_study(f"study_fishing{args.tag}", rows, summarise(rows), started)
+
+
+def write_study(study: str, rows: list[dict], summary: list[dict], started: float) -> None:
+    """Per-sample rows to results/<study>_samples.csv, the summary to results/<study>.csv and printed."""
+    _, table_path = study_paths(study)
+    write_table(rows, table_path.with_name(f"{study}_samples.csv"))
+    print(write_table(summary, table_path))
     print(f"{(time.perf_counter() - started) / 60:.1f} min")
 
 

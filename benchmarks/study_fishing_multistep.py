@@ -26,13 +26,13 @@ import time
 import numpy as np
 import torch
 
-from _common import ROOT, study_argparser, study_paths, write_table
+from _common import ROOT, study_argparser
 from flguard.attacks import reconstruct
 from flguard.attacks.base import split_gradient
 from flguard.attacks.unroll import simulate_update
 from flguard.server.fishing import attack_fished, fish_class
 from flguard.server.uploads import ClientUpdate
-from study_fishing import private_batch, target_psnr
+from study_fishing import demo_task, private_batch, target_psnr, write_study
 
 
 def upload_of(model, x, y, steps: int, lr: float) -> ClientUpdate:
@@ -54,14 +54,7 @@ def attack(model, upload: ClientUpdate, y: torch.Tensor, target: int, fished: bo
 
 
 def run(args) -> list[dict]:
-    from flguard.compare.config import load_config
-    from flguard.simulation.task import TaskSettings, initial_model, load_dataset, public_indices
-
-    config = load_config(args.config)
-    settings = TaskSettings.from_config(config.run_config(config.defense("none")))
-    data = load_dataset(settings.dataset)
-    public = public_indices(settings.dataset, settings.public_examples, settings.seed)
-    model = initial_model(settings).eval().to(args.device)
+    _, settings, data, public, model = demo_task(args.config, args.device)
     kwargs = dict(method="strongest", iterations=args.iterations, restarts=args.restarts, device=args.device,
                   mean=tuple(data.mean), std=tuple(data.std))
     rng = np.random.default_rng(args.seed)
@@ -109,10 +102,7 @@ def main() -> None:
     torch.set_num_threads(1)
     started = time.perf_counter()
     rows = run(args)
-    _, table_path = study_paths(f"study_fishing_multistep{args.tag}")
-    write_table(rows, table_path.with_name(f"study_fishing_multistep{args.tag}_samples.csv"))
-    print(write_table(summarise(rows), table_path))
-    print(f"{(time.perf_counter() - started) / 60:.1f} min")
+    write_study(f"study_fishing_multistep{args.tag}", rows, summarise(rows), started)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,18 @@ def _before_classifier(model, parts) -> torch.Tensor:
     return _flat([g for (n, _), g in zip(model.named_parameters(), parts) if not n.startswith(name + ".")])
 
 
+def _lenet_with_one_three(others: int, before: int):
+    """The sigmoid LeNet (seed 0) fished for class 3, and a batch of MNIST-5k with one 3 after ``before``
+    of ``others`` other digits: (dataset, fished model, the 3's dataset index, batch index, x, y)."""
+    dataset = data.load("mnist5k")
+    torch.manual_seed(0)
+    model = create("lenet", in_channels=1, num_classes=10, image_size=28, init="uniform")
+    target = (dataset.labels == 3).nonzero()[0, 0]
+    rest = (dataset.labels != 3).nonzero()[:others, 0]
+    index = torch.cat([rest[:before], target.view(1), rest[before:]])
+    return dataset, fish_class(model, 3), target, index, dataset.normalize(dataset.images[index]), dataset.labels[index]
+
+
 @pytest.mark.parametrize("name,shape", [("cnn", (1, 28, 28)), ("resnet8_gn", (3, 16, 16))])
 def test_class_fishing_leaves_only_the_target_samples_gradients_before_the_last_layer(name, shape):
     torch.manual_seed(0)
@@ -91,14 +103,7 @@ def test_attack_fished_recovers_the_lone_target_of_a_batch_of_eight():
     """The sigmoid LeNet on MNIST (as in the DLG tests): one sample of class 3 among eight, class
     fishing, DLG through ``attack_fished`` — the isolated digit comes back above 30 dB, where the
     same attack on the unfished batch gradient cannot single it out."""
-    dataset = data.load("mnist5k")
-    torch.manual_seed(0)
-    model = create("lenet", in_channels=1, num_classes=10, image_size=28, init="uniform")
-    target = (dataset.labels == 3).nonzero()[0, 0]
-    others = (dataset.labels != 3).nonzero()[:7, 0]
-    index = torch.cat([others[:3], target.view(1), others[3:]])
-    x, y = dataset.normalize(dataset.images[index]), dataset.labels[index]
-    fished = fish_class(model, 3)
+    dataset, fished, target, index, x, y = _lenet_with_one_three(others=7, before=3)
     update = ClientUpdate(_grads(fished, x, y), [], 8, 1, 0.1)
     rec = attack_fished(fished, update, 3, (1, 28, 28), method="dlg", iterations=15, seed=0)
     assert rec.extra["targets"] == 1 and rec.images.shape == (1, 1, 28, 28) and rec.labels.tolist() == [3]
@@ -113,14 +118,7 @@ def test_attack_fished_unrolls_a_two_step_upload_and_recovers_the_first_steps_ta
     step's batch: ``attack_fished`` unrolls the client's steps (lr 0.1, batches of 2) and the target
     comes back above 30 dB — the first step's feature gradient is its alone — while the second step's
     samples, whose gradients mix once the zeroed rows have trained back, do not (< 15 dB)."""
-    dataset = data.load("mnist5k")
-    torch.manual_seed(0)
-    model = create("lenet", in_channels=1, num_classes=10, image_size=28, init="uniform")
-    target = (dataset.labels == 3).nonzero()[0, 0]
-    others = (dataset.labels != 3).nonzero()[:3, 0]
-    index = torch.cat([others[:1], target.view(1), others[1:]])
-    x, y = dataset.normalize(dataset.images[index]), dataset.labels[index]
-    fished = fish_class(model, 3)
+    dataset, fished, _, index, x, y = _lenet_with_one_three(others=3, before=1)
     steps = split_gradient(fished, simulate_update(fished, x, y, local_steps=2, local_lr=0.1, local_batch_size=2))
     upload = ClientUpdate([-u / 0.2 for u in steps], steps, 4, 2, 0.1)
     rec = attack_fished(fished, upload, 3, (1, 28, 28), method="dlg", iterations=15, seed=0, labels=y.tolist())

@@ -111,6 +111,8 @@ def test_attack_fished_recovers_the_lone_target_of_a_batch_of_eight():
     assert psnr > 30.0, psnr
     with pytest.raises(ValueError, match="one-step"):
         count_targets(ClientUpdate(update.gradient, [], 16, 2, 0.1), fished, 3)
+    with pytest.raises(ValueError, match="no update"):
+        attack_fished(fished, ClientUpdate(update.gradient, [], 16, 2, 0.1), 3, (1, 28, 28))
 
 
 def test_attack_fished_unrolls_a_two_step_upload_and_recovers_the_first_steps_target():

@@ -35,7 +35,7 @@ ONE_RUN_KINDS = ("gaussian", "rowspace")
 #: With ``max_excluded`` > 0 the one-run solve skips the negligible samples (``flguard.guard.exclusion``:
 #: gradient ≤ 1% of C) and the floor leaves them out, free of the share: they are the well-fitted samples
 #: whose float32 solves rarely certify and ran to SOLVER_MAX_ITER — on the trained quickstart CNN at
-#: B = 32, 9–12 of 32 samples, and a third of the guard's time per step (docs/results.md, "Negligible
+#: B = 32, 8–12 of 32 samples, and about 60% of the guard's time per step (docs/results.md, "Negligible
 #: samples left out unsolved"). Leaving a sample out is always safe: nothing of it is sent.
 SKIP_NEGLIGIBLE = True
 

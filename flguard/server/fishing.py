@@ -154,7 +154,8 @@ def attack_fished(model: nn.Module, upload: Any, target: int, input_shape: Seque
     """Invert the class-``target`` sample(s) of a fished upload.
 
     A multi-step upload (a ``ClientUpdate`` with ``local_steps`` K > 1) goes to ``attack_fished_unrolled``
-    (``labels``: its K·b labels in step order, else recovered from the update).
+    (``labels``: its K·b labels in step order, else recovered from the update); ``batch_size``,
+    ``count`` and the frozen classifier are the one-step path's, and ``labels`` is the multi-step one's.
 
     ``model`` holds the fished parameters the server sent; ``upload`` the decoded ``ClientUpdate``
     (or its gradient, with ``batch_size``). The layers before the last carry Σ_{y_i = t} ∇ℓ_i / B,
@@ -190,6 +191,8 @@ def attack_fished_unrolled(model: nn.Module, upload: ClientUpdate, target: int, 
     step order (default: recovered from the update). ``extra['targets']`` counts the candidates
     labelled ``target``; ``extra['unrolled']`` is K."""
     steps, total = upload.local_steps, upload.batch_size
+    if not upload.update:
+        raise ValueError("the upload carries no update θ_K − θ_0 to unroll (ClientUpdate.update is empty)")
     if total % steps:
         raise ValueError(f"a {steps}-step upload of {total} images: the steps' batches are not whole")
     _checked_target(last_linear(model)[1], target)

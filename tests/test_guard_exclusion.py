@@ -147,10 +147,12 @@ def test_a_sample_the_noise_cannot_move_is_left_out_instead_of_failing_the_step(
     assert bool((rmse >= TAU).all()), rmse
 
 
-def test_a_negligible_sample_that_cannot_be_certified_is_left_out_without_counting():
+@pytest.mark.parametrize("defense", ["auto", "eigen"])
+def test_a_negligible_sample_that_cannot_be_certified_is_left_out_without_counting(defense):
     """A well-fitted sample (p = 1 − 1e-12) has a float32 Jacobian too small for a solve to certify:
     the guard withholds the step without exclusion; with ``max_excluded`` even below one sample's
-    share it is left out for free (its clipped gradient is < 1% of C) and the others are guarded."""
+    share it is left out for free (its clipped gradient is < 1% of C) and the others are guarded —
+    with eigen too, whose Lanczos run could not converge that sample's λmax and withheld the step."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(16, 3))
     x, y = torch.randn(4, 1, 4, 4), torch.tensor([0, 1, 2, 1])
@@ -158,7 +160,7 @@ def test_a_negligible_sample_that_cannot_be_certified_is_left_out_without_counti
         x[0] = 150 * (model[1].weight[0] - model[1].weight[1:].mean(0)).view(1, 4, 4)
     g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(nn.functional.cross_entropy(model(x), y),
                                                              list(model.parameters()))])
-    cfg = dict(min_rmse=0.5, clip_per_sample="median", max_rel_noise=1e6, rtol=1e-2, seed=0)
+    cfg = dict(defense=defense, min_rmse=0.5, clip_per_sample="median", max_rel_noise=1e6, rtol=1e-2, seed=0)
     assert Guard(unclipped(**cfg)).protect(model, x, y, g).gradient is None
     out = Guard(unclipped(**cfg, max_excluded=0.2)).protect(model, x, y, g)  # floor(0.2·4) = 0 samples
     assert out.report.met and out.gradient is not None
@@ -181,12 +183,12 @@ def test_the_scale_grid_finds_a_narrow_window_where_a_boxed_sample_certifies():
     assert inside and all(0.97 <= c <= 1.28 for c in inside)
 
 
-@pytest.mark.parametrize("defense", ["gaussian", "rowspace"])
+@pytest.mark.parametrize("defense", ["gaussian", "rowspace", "eigen"])
 def test_negligible_samples_are_left_out_unsolved_and_the_rest_meet_the_floor(monkeypatch, defense):
-    """The one-run solve skips the negligible samples (here the share is raised so that the two smallest
-    gradients count) and the floor leaves them out free of ``max_excluded`` (0: none else may go): the
-    update sent is the other samples' gradients plus the noise, each of them meets τ under dense
-    float64 I²F, and the solve took fewer products than solving every sample."""
+    """The negligible samples (here the share is raised so that the two smallest gradients count) are
+    left out unsolved — skipped by the one-run solve, or eigen run on the other samples alone — free of
+    ``max_excluded`` (0: none else may go): the update sent is the other samples' gradients plus the
+    noise, each of them meets τ under dense float64 I²F, in fewer products than solving every sample."""
     import flguard.guard.exclusion as exclusion
     import flguard.guard.perturb as perturb
 

@@ -14,7 +14,7 @@ from flguard.defenses import BASELINES, DefenseContext
 from flguard.defenses.gaussian import isotropic
 from flguard.defenses.rowspace import rowspace
 from flguard.guard.config import THRESHOLD_DEFENSES, GuardConfig
-from flguard.guard.exclusion import negligible_samples
+from flguard.guard.exclusion import kept_gradient, negligible_samples
 from flguard.guard.failure import GuardFailure, failure_reason
 from flguard.guard import floor  # its PRECONDITION_CG and SOLVER_MAX_ITER read at call time (tests and benchmarks set them)
 from flguard.guard.floor import FloorCalibrator, Outcome, checked_solve, noise_budget, rmse_lb
@@ -32,11 +32,13 @@ from flguard.risk.regularised import RegularisedK
 LANCZOS_SOLVE = True
 #: The kinds whose direction is drawn before the spectrum is known (LANCZOS_SOLVE applies to them).
 ONE_RUN_KINDS = ("gaussian", "rowspace")
-#: With ``max_excluded`` > 0 the one-run solve skips the negligible samples (``flguard.guard.exclusion``:
-#: gradient ≤ 1% of C) and the floor leaves them out, free of the share: they are the well-fitted samples
-#: whose float32 solves rarely certify and ran to SOLVER_MAX_ITER — on the trained quickstart CNN at
-#: B = 32, 8–12 of 32 samples, and about 60% of the guard's time per step (docs/results.md, "Negligible
-#: samples left out unsolved"). Leaving a sample out is always safe: nothing of it is sent.
+#: With ``max_excluded`` > 0 the negligible samples (``flguard.guard.exclusion``: gradient ≤ 1% of C) are
+#: left out unsolved, free of the share: the one-run solve skips them, and eigen (or a kind run without
+#: the one-run solve) runs on the other samples alone (``Perturber._without``). They are the well-fitted
+#: samples whose float32 solves rarely certify: they ran to SOLVER_MAX_ITER — on the trained quickstart
+#: CNN at B = 32, 8–12 of 32 samples, and about 60% of the guard's time per step — and eigen's Lanczos run
+#: could not converge their λmax, which withheld every step (docs/results.md, "Negligible samples left out
+#: unsolved"). Leaving a sample out is always safe: nothing of it is sent.
 SKIP_NEGLIGIBLE = True
 
 
@@ -72,8 +74,13 @@ class Perturber:
         if kind == "auto":
             return self._auto(op, flat, clip, generator)
         eigen = kind == "eigen"
+        one_run = kind in ONE_RUN_KINDS and LANCZOS_SOLVE and cfg.floor > 0
+        if kind in THRESHOLD_DEFENSES and not one_run:  # the one-run solve skips them itself
+            left = _left_out_unsolved(op, cfg)
+            if left is not None:
+                return self._without(left, op, flat, clip, generator, kind)
         lanczos_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=flat.device))
-        if kind in ONE_RUN_KINDS and LANCZOS_SOLVE and cfg.floor > 0:
+        if one_run:
             return self._in_one_run(kind, op, flat, clip, generator, lanczos_seed)
         spectrum = RegularisedK(op).lanczos(rtol=cfg.rtol, ends="max", min_iter=cfg.krylov_steps if eigen else 0,
                                             max_iter=max(floor.SOLVER_MAX_ITER, cfg.krylov_steps if eigen else 0),
@@ -110,6 +117,34 @@ class Perturber:
         ctx = DefenseContext(op, flat, eps, lambda_max, generator, cfg)
         solved = checked_solve(shift, jd, converged, allow_unusable=cfg.max_excluded > 0)
         return FloorCalibrator(cfg, clip).meet(ctx, (direction, solved), kind=kind)
+
+    def _without(self, left: torch.Tensor, op: Jacobian, flat: torch.Tensor, clip: float | None,
+                 generator: torch.Generator, kind: str) -> Outcome:
+        """``kind`` measured and verified on the samples not ``left`` out (``SKIP_NEGLIGIBLE``): its
+        spectrum, direction and solves on the restricted operator, against the upload without the
+        left-out samples (``kept_gradient``), which is what is then sent. ``max_excluded`` then counts
+        the other samples' share of the rest (stricter than of the batch: it never leaves out more)."""
+        keep = ~left
+        index = keep.nonzero().squeeze(1)
+        sub = op.restricted(index)
+        kept = kept_gradient(op, flat, keep)
+        counter = base_operator(sub)
+        try:
+            outcome = self.perturb(sub, kept, clip, generator, kind)
+        finally:  # the step's count stays in whole-batch products (and its limit saw every product)
+            base_operator(op).applications += counter.applications * index.numel() / op.batch_size
+
+        def full(values: torch.Tensor, fill: float) -> torch.Tensor:
+            out = torch.full((op.batch_size,), fill, dtype=values.dtype, device=values.device)
+            out[index] = values
+            return out
+
+        info, count = dict(outcome.info), int(left.sum())
+        info["excluded"] = int(info.get("excluded", 0)) + count
+        info["excluded_negligible"] = int(info.get("excluded_negligible", 0)) + count
+        return Outcome(outcome.noise, full(outcome.rmse_after, float("inf")), full(outcome.rmse_lb_after, float("inf")),
+                       full(outcome.eps, 0.0), outcome.met, outcome.reason, info,
+                       kept if outcome.update is None else outcome.update)
 
     def _auto(self, op: Jacobian, flat: torch.Tensor, clip: float | None,
               generator: torch.Generator) -> Outcome:

@@ -9,6 +9,7 @@ noise: no unguarded update arrived. Every process started here is stopped by its
 from __future__ import annotations
 
 import csv
+import ctypes
 import json
 import os
 import re
@@ -53,14 +54,25 @@ def _wait_for_log(path: Path, text: str, count: int, seconds: float) -> None:
     raise TimeoutError(f"{path.name}: fewer than {count} × {text!r} after {seconds} s")
 
 
+def _die_with_this_process() -> None:
+    """In the child, before exec (Linux): SIGKILL it when the process that started it dies — a killed
+    pytest never reaches the fixture's teardown, and its SuperLink and SuperNodes outlived it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not glibc Linux: the teardown below is the only stop
+
+
 @pytest.fixture
 def launch():
-    """Start processes in their own process groups; stop every one of them at the end, by PID."""
+    """Start processes in their own process groups; stop every one of them at the end, by PID (and,
+    on Linux, with this process if it is killed first)."""
     started: list[subprocess.Popen] = []
 
     def start(args: list[str], log: Path, env: dict) -> subprocess.Popen:
         process = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)
+                                   start_new_session=True,
+                                   preexec_fn=_die_with_this_process if sys.platform.startswith("linux") else None)
         started.append(process)
         return process
 

@@ -177,8 +177,9 @@ class Perturber:
 
 
 def _left_out_unsolved(op: Jacobian, cfg: GuardConfig) -> torch.Tensor | None:
-    """The samples the one-run solve skips (``SKIP_NEGLIGIBLE``): the negligible ones where samples may be
-    left out, unless that is all of them (the step could then certify none); None: solve every sample."""
+    """The samples left out unsolved (``SKIP_NEGLIGIBLE``: skipped by the one-run solve, restricted away by
+    ``Perturber._without`` for the other kinds): the negligible ones where samples may be left out, unless
+    that is all of them (the step could then certify none); None: solve every sample."""
     if not SKIP_NEGLIGIBLE or cfg.max_excluded <= 0 or base_operator(op).coupled:
         return None
     free = negligible_samples(op)

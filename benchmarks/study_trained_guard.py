@@ -74,7 +74,7 @@ def per_sample_rows(model, x, y, tau: float, seed: int, batch_id: int) -> tuple[
     per = op.per_sample_gradients()  # unscaled ∇θ ℓ_i
     eps = 1e-2 * rep.lambda_max
     z = torch.randn(op.dtheta, generator=torch.Generator().manual_seed(seed), dtype=g.dtype)
-    shift, _, _ = i2f_solve(op, z, eps, 1e-3)
+    shift, _, _, _ = i2f_solve(op, z, eps, 1e-3)
     root = op.dx ** 0.5
     need_gauss = tau * root / shift.norm(dim=1) * z.norm()
     spec = lanczos(lambda q: op.kmv(q.unsqueeze(1)).squeeze(1), op.batch_size, op.dx, like=op.x, rtol=1e-3,

@@ -168,19 +168,24 @@ def test_a_negligible_sample_that_cannot_be_certified_is_left_out_without_counti
     assert torch.isinf(out.report.rmse_after[0]) and bool((out.report.rmse_after[1:] >= 0.5).all())
 
 
-def test_the_scale_grid_finds_a_narrow_window_where_a_boxed_sample_certifies():
-    """Box [−1, 1], x = 0, Δx = 1 in every pixel, rtol 0.09, τ = 0.75: the certified error
-    min(c, 1) − 0.09·c reaches τ(1 + 2·rtol) = 0.885 only for c in [0.973, 1.278]. Doubling from the
-    linear scale (0.885, 1.77, …) steps over it; the exclusion's grid does not."""
+def test_the_box_certificate_keeps_a_saturated_sample_certified_where_the_lipschitz_one_had_a_window():
+    """Box [−1, 1], x = 0, Δx̃ = 1 in every pixel, rtol 0.09, τ = 0.75. Clip's 1-Lipschitz bound
+    min(c, 1) − 0.09·4c/4 reaches τ(1 + rtol) = 0.8175 only for c in [0.898, 2.03]: a window that a
+    doubling search could step over and that closes at larger noise. Every pixel is saturated past
+    c = 1 and un-saturating one costs a perturbation beyond its overshoot c − 1, so the certified
+    bound (``flguard.guard.box_bound``) stays above τ from c ≈ 0.9 on; the exclusion's grid finds it."""
     from flguard.guard.floor import scale_grid
     from flguard.guard.exclusion import reachable_at
 
     x, shift = torch.zeros(1, 1, 4, 4), torch.ones(1, 16)
     bounds, tau, rtol = (torch.tensor(-1.0), torch.tensor(1.0)), 0.75, 0.09
-    assert not bool(reachable_at(x, shift, bounds, 0.885, tau, rtol)[0])
-    assert not bool(reachable_at(x, shift, bounds, 1.77, tau, rtol)[0])
-    inside = [c for c in scale_grid(shift, tau * (1 + 2 * rtol), 10.0) if bool(reachable_at(x, shift, bounds, c, tau, rtol)[0])]
-    assert inside and all(0.97 <= c <= 1.28 for c in inside)
+    lipschitz = lambda c: min(c, 1.0) - rtol * c  # noqa: E731  (RMSE of 16 pixels: ‖·‖/4)
+    assert lipschitz(0.885) < tau * (1 + rtol) <= lipschitz(1.0) and lipschitz(2.5) < tau * (1 + rtol)
+    assert not bool(reachable_at(x, shift, bounds, 0.85, tau, rtol)[0])
+    for c in (0.95, 1.0, 2.5, 10.0, 100.0):
+        assert bool(reachable_at(x, shift, bounds, c, tau, rtol)[0]), c
+    inside = [c for c in scale_grid(shift, tau * (1 + rtol), 10.0) if bool(reachable_at(x, shift, bounds, c, tau, rtol)[0])]
+    assert inside and min(inside) < 1.0 and max(inside) == 10.0
 
 
 @pytest.mark.parametrize("defense", ["gaussian", "rowspace", "eigen"])

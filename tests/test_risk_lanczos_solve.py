@@ -82,7 +82,7 @@ def test_on_a_conv_model_it_matches_dense_jacobians():
     model, x, y = tiny_conv_problem(batch=3, seed=2)
     jac, g = dense_jacobians(model, x, y)
     delta = torch.randn(g.numel(), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    shift, jd, converged, lambda_max, eps, lambda_ok = i2f_solve_with_lambda_max(
+    shift, jd, converged, lambda_max, eps, lambda_ok, _ = i2f_solve_with_lambda_max(
         JacobianOperator(model, x, y), delta, 1e-2, True, 1e-3)
     kernel = jac @ jac.transpose(1, 2)
     lam = torch.linalg.eigvalsh(kernel)[:, -1]

@@ -74,7 +74,7 @@ def test_i2f_solve_with_ritz_pairs_on_a_model_matches_dense_jacobians():
     spectrum = RegularisedK(op).lanczos(rtol=1e-3, ends="max", return_vectors=True)
     eps = 1e-2 * spectrum.lambda_max
     delta = torch.randn(g.numel(), generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    shift, jd, converged = i2f_solve(op, delta, eps, 1e-3, ritz=(spectrum.ritz_values, spectrum.ritz_vectors))
+    shift, jd, converged, _ = i2f_solve(op, delta, eps, 1e-3, ritz=(spectrum.ritz_values, spectrum.ritz_vectors))
     exact = _dense(jac @ jac.transpose(1, 2), jac @ delta, eps)
     assert bool(converged.all())
     torch.testing.assert_close(jd, (jac @ delta).norm(dim=1))

@@ -58,8 +58,9 @@ DEFAULT_MAX_PRODUCTS = 400.0
 #: send"): per-sample clipping at the batch's median per-sample gradient norm (a clip level that needs
 #: no tuning, and a budget unit C that scales with the model), a budget of 40 C, up to a quarter of
 #: a batch left out of a step (samples whose gradient is < 1% of C do not count), and solves to
-#: rtol 1e-2 (at 1e-3 float32 products on trained models keep some samples from certifying; the
-#: floor is aimed 2·rtol above τ, so this costs 2% of noise). On the trained quickstart CNN (B = 32)
+#: rtol 1e-2 (at 1e-3 float32 products on trained models keep some samples from certifying; each
+#: sample's certified bound, its solve's error included, is fitted to τ(1 + rtol), so this costs about
+#: 1% of noise). On the trained quickstart CNN (B = 32)
 #: they sent 20 of 20 steps; without them 0 of 20.
 DEFAULT_CLIP = "median"
 DEFAULT_MAX_REL_NOISE = 40.0
@@ -185,7 +186,7 @@ class GuardConfig(StrictModel):
     acknowledge_unguarded: bool = Field(False, description="required with on_unmet='send'")
     seed: int | None = Field(None, description="None: noise from OS entropy; an int only for tests/benchmarks")
     rtol: float = Field(1e-3, gt=0.0, lt=0.1, description="solver tolerance (the floor is aimed at "
-                        "τ(1 + 2·rtol) and verified at τ(1 + rtol)); gaussian, eigen: 1e-2 by default")
+                        "τ(1 + rtol) with each sample's solver error bound taken off); gaussian, eigen: 1e-2 by default")
     max_products: float | None = Field(DEFAULT_MAX_PRODUCTS, gt=0.0, description="per step: at most this many "
                                        "Jacobian products per sample (J or Jᵀ), else the step is withheld naming "
                                        "the limit; None: no limit")
@@ -306,7 +307,7 @@ class ThresholdGuardConfig(GuardConfig):
     max_rel_noise: float = Field(DEFAULT_MAX_REL_NOISE, gt=0.0, description="noise budget: ‖noise‖ / C with "
                                  "clip_per_sample (or / ‖gradient‖ without) at most this")
     rtol: float = Field(DEFAULT_RTOL, gt=0.0, lt=0.1, description="solver tolerance (the floor is aimed at "
-                        "τ(1 + 2·rtol) and verified at τ(1 + rtol))")
+                        "τ(1 + rtol) with each sample's solver error bound taken off)")
     input_bounds: tuple[float | tuple[float, ...], float | tuple[float, ...]] | Literal["batch"] | None = Field(
         None, description="(low, high) box of valid inputs in model-input units (scalar or per channel), or 'batch'")
     max_excluded: float = Field(DEFAULT_MAX_EXCLUDED, ge=0.0, lt=1.0, description="share of a batch that may be left out of the "

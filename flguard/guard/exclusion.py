@@ -21,27 +21,28 @@ import math
 
 import torch
 
+from flguard.guard.box_bound import clipped_error_bound
 from flguard.risk.closed_forms import to_rmse
 from flguard.risk.clipped import ClippedJacobian
 from flguard.risk.operator import JacobianOperator
 
 
 def reachable_at(x: torch.Tensor, shift: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor] | None,
-                 scale: float, tau: float, rtol: float) -> torch.Tensor:
-    """[B] bool: which samples' certified RMSE reaches τ at noise ``scale`` × the unit direction.
+                 scale: float, tau: float, rtol: float, slack: torch.Tensor | None = None) -> torch.Tensor:
+    """[B] bool: which samples' certified RMSE reaches τ(1 + rtol) at noise ``scale`` × the unit direction.
 
-    ``shift`` [B, dx] is I²F's Δx for the unit direction (CG's solution, within rtol of the exact
-    one). Without bounds the bound is the linear one ‖c·Δx̃‖/√dx ≥ τ(1 + 2·rtol); with a box
-    (low, high), broadcastable to x, the clipped error minus CG's slack, as the guard verifies it.
+    ``shift`` [B, dx] is I²F's Δx̃ for the unit direction, within ``slack`` η_i (default rtol‖Δx̃_i‖)
+    of the exact one. Without bounds the certified RMSE is c(‖Δx̃‖ − η)/√dx; with a box (low, high),
+    broadcastable to x, the clipped error's certified lower bound (``flguard.guard.box_bound``), as
+    the guard verifies it.
     """
     dx = shift.shape[1]
-    target = tau * (1 + 2 * rtol)
+    target = tau * (1 + rtol)
+    slack = rtol * shift.norm(dim=1) if slack is None else slack
     if bounds is None:
-        return to_rmse(shift.norm(dim=1) * scale, dx) >= target
+        return to_rmse((shift.norm(dim=1) - slack) * scale, dx) >= target
     low, high = bounds
-    moved = torch.clamp(x + scale * shift.view_as(x), low, high) - x
-    certified = to_rmse(moved.flatten(1).norm(dim=1) - rtol * scale * shift.norm(dim=1), dx)
-    return certified >= target
+    return to_rmse(clipped_error_bound(x, shift, low, high, scale, slack), dx) >= target
 
 
 #: A sample whose term in the upload is at most this share of the clipping norm C (or, without

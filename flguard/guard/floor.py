@@ -15,6 +15,7 @@ import torch
 
 from flguard.defenses import DIRECTIONS, DefenseContext, Direction
 from flguard.defenses.gaussian import gaussian_direction
+from flguard.guard.box_bound import clipped_error_bound
 from flguard.guard.config import GuardConfig
 from flguard.guard.exclusion import excludable, kept_gradient, negligible_samples, reachable_at
 from flguard.guard.failure import GuardFailure
@@ -60,15 +61,16 @@ class FloorCalibrator:
         self.clip = clip
 
     def meet(self, ctx: DefenseContext,
-             solved: tuple[Direction, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+             solved: tuple[Direction, tuple[torch.Tensor, ...]] | None = None,
              kind: str = "gaussian") -> Outcome:
         """Scale the defense's direction d so that every sample's I2F RMSE ≥ τ.
 
         I2F's shift Δx = (K+εI)⁻¹Jδ is linear in δ, so for c·d it is c·Δx(d) exactly: one CG solve on
-        the realised direction gives every sample's I2F for the noise actually sent. The CG bound
-        keeps the exact I2F within rtol of the solved one, so the scale aims at τ(1 + 2·rtol) and the
-        reported value is checked against τ(1 + rtol) — the exact value is then ≥ τ. With
-        ``input_bounds`` the promise is about clip(x + c·Δx) − x instead (``box_scale``).
+        the realised direction gives every sample's I2F for the noise actually sent. Each sample's
+        solve carries its verified error bound η_i ≥ ‖Δx̃_i − Δx_i‖, so c·(‖Δx̃_i‖ − η_i) bounds its
+        exact I2F below; the scale is fitted so that this certified bound reaches τ(1 + rtol) — the
+        exact value is then above τ. With ``input_bounds`` the promise is about clip(x + c·Δx) − x
+        instead, bounded below from Δx̃ and η_i (``box_scale``, ``flguard.guard.box_bound``).
         ``solved``: the direction and its checked solve when they came from elsewhere
         (the Gaussian's one Lanczos run, ``flguard.guard.perturb``).
         """
@@ -81,29 +83,31 @@ class FloorCalibrator:
         floor = cfg.gaussian_floor if kind == "eigen" else 0.0
         # with max_excluded, a sample whose I2F cannot be certified at all (CG did not converge, or the
         # noise does not move it) is one more sample to leave out rather than a reason to withhold
-        shift, unit_jd, usable = (solved[1] if solved is not None else
-                                  self.solve(ctx, vector, allow_unusable=cfg.max_excluded > 0 and floor == 0))
+        shift, unit_jd, usable, slack = (solved[1] if solved is not None else
+                                         self.solve(ctx, vector, allow_unusable=cfg.max_excluded > 0 and floor == 0))
         budget = noise_budget(ctx.gradient, cfg, self.clip)
         info: dict = {}
         if floor > 0:  # an isotropic part of its own that meets floor·τ: no subspace to discard
             z = gaussian_direction(ctx).vector
-            shift_z, _, _ = self.solve(ctx, z)
-            scale_z, rmse_z, _ = self._fit(op.x, shift_z, floor * cfg.floor, budget / float(z.norm()))
-            scale_e, _, _ = self._fit(op.x, shift, cfg.floor, budget / float(vector.norm()))
+            shift_z, _, _, slack_z = self.solve(ctx, z)
+            scale_z, rmse_z, _ = self._fit(op.x, shift_z, slack_z, floor * cfg.floor, budget / float(z.norm()))
+            scale_e, _, _ = self._fit(op.x, shift, slack, cfg.floor, budget / float(vector.norm()))
             vector, shift = scale_z * z + scale_e * vector, scale_z * shift_z + scale_e * shift
+            slack = scale_z * slack_z + scale_e * slack  # the triangle inequality
             info["rmse_gaussian_part"] = rmse_z
         limit, at_least = budget / max(float(vector.norm()), 1e-30), 1.0 if floor > 0 else 0.0
         certifiable = bool(usable.all())
-        scale, rmse, reachable = self._fit(op.x, shift, cfg.floor, limit, at_least) if certifiable else (limit, None, False)
+        scale, rmse, reachable = (self._fit(op.x, shift, slack, cfg.floor, limit, at_least) if certifiable
+                                  else (limit, None, False))
         keep = None
         if not (reachable and float(vector.norm()) * scale <= budget):
-            chosen = self._protectable(op, shift, limit, usable)
+            chosen = self._protectable(op, shift, slack, limit, usable)
             if chosen is None and not certifiable:
                 raise GuardFailure(_UNUSABLE)
             if chosen is not None:  # fitted up to the scale at which the kept samples all certify
                 keep, at, free = chosen
                 keep = None if bool(keep.all()) else keep
-                scale, rmse, reachable = self._fit(op.x, shift, cfg.floor, max(at, at_least), at_least, keep=keep)
+                scale, rmse, reachable = self._fit(op.x, shift, slack, cfg.floor, max(at, at_least), at_least, keep=keep)
                 if keep is not None:
                     info["excluded"] = int((~keep).sum())
                     info["excluded_negligible"] = int((~keep & free).sum())
@@ -127,7 +131,7 @@ class FloorCalibrator:
         update = None if keep is None else kept_gradient(op, ctx.gradient, keep)
         return Outcome(noise, rmse, rmse_lb(jd, ctx.lambda_max, op.dx), ctx.eps, True, "", info, update)
 
-    def _protectable(self, op: Jacobian, shift: torch.Tensor, limit: float,
+    def _protectable(self, op: Jacobian, shift: torch.Tensor, slack: torch.Tensor, limit: float,
                      usable: torch.Tensor) -> tuple[torch.Tensor, float, torch.Tensor] | None:
         """(the samples to keep, a scale ≤ ``limit`` at which they all certify, the negligible samples)
         when the budget (scale ``limit`` of the direction) cannot protect the whole batch — never an
@@ -143,8 +147,8 @@ class FloorCalibrator:
         bounds = None if cfg.bounds is None else input_bounds(cfg.bounds, op.x)
         free = negligible_samples(op)
         best, at, rank = None, limit, None
-        for scale in scale_grid(shift[usable], cfg.floor * (1 + 2 * cfg.rtol), limit):
-            keep = reachable_at(op.x, shift, bounds, scale, cfg.floor, cfg.rtol) & usable
+        for scale in scale_grid(shift[usable], cfg.floor * (1 + cfg.rtol), limit):
+            keep = reachable_at(op.x, shift, bounds, scale, cfg.floor, cfg.rtol, slack) & usable
             here = (int((~keep & ~free).sum()), int((~keep).sum()))  # counted left out, then all left out
             if rank is None or here < rank:
                 best, at, rank = keep, scale, here
@@ -153,42 +157,46 @@ class FloorCalibrator:
         return best, at, free  # all kept: the doubling fit from the linear scale missed the window where all certify
 
     def solve(self, ctx: DefenseContext, vector: torch.Tensor,
-               allow_unusable: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """I2F's shift (K_i+εI)⁻¹J_i·vector [B, dx], ‖J_i·vector‖ and which samples' shifts are usable
-        (converged and nonzero), checked: an unusable sample fails the guard unless
-        ``allow_unusable``, and then its shift is zeroed (it can only be left out)."""
+               allow_unusable: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """I2F's shift (K_i+εI)⁻¹J_i·vector [B, dx], ‖J_i·vector‖, which samples' shifts are usable
+        (converged and nonzero) and each shift's error bound, checked: an unusable sample fails the
+        guard unless ``allow_unusable``, and then its shift is zeroed (it can only be left out)."""
         ritz = (ctx.spectrum.ritz_values, ctx.spectrum.ritz_vectors) if PRECONDITION_CG and ctx.spectrum else None
-        shift, jd, converged = i2f_solve(ctx.op, vector, ctx.eps, self.config.rtol, ritz=ritz, max_iter=SOLVER_MAX_ITER)
-        return checked_solve(shift, jd, converged, allow_unusable)
+        shift, jd, converged, bound = i2f_solve(ctx.op, vector, ctx.eps, self.config.rtol, ritz=ritz,
+                                                max_iter=SOLVER_MAX_ITER)
+        return checked_solve(shift, jd, converged, allow_unusable, bound)
 
-    def _fit(self, x: torch.Tensor, shift: torch.Tensor, tau: float, limit: float,
+    def _fit(self, x: torch.Tensor, shift: torch.Tensor, slack: torch.Tensor, tau: float, limit: float,
              at_least: float = 0.0, keep: torch.Tensor | None = None) -> tuple[float, torch.Tensor, bool]:
         """(c ≥ at_least, RMSE per sample of c·shift, reachable within scale ``limit``): the smallest
-        scale at which every (kept) sample's predicted RMSE reaches τ — the I2F RMSE ‖c·Δx‖/√dx, aimed
-        at τ(1 + 2·rtol), or with ``input_bounds`` the clipped one (``box_scale``). Left-out samples
+        scale at which every (kept) sample's certified RMSE reaches τ(1 + rtol) — c(‖Δx̃‖ − η)/√dx
+        for ``shift`` Δx̃ and its error bound ``slack`` η, or with ``input_bounds`` the clipped one
+        (``box_scale``). The RMSE returned is the solved one (‖c·Δx̃‖, or clipped). Left-out samples
         (``keep`` False) are not in the update: their RMSE is +inf."""
         if keep is not None:  # the box of the kept samples alone ("batch": the tightest one the upload holds)
-            scale, kept, reachable = self._fit_all(x[keep], shift[keep], tau, limit, at_least)
+            scale, kept, reachable = self._fit_all(x[keep], shift[keep], slack[keep], tau, limit, at_least)
             rmse = torch.full((x.shape[0],), float("inf"), dtype=kept.dtype, device=kept.device)
             rmse[keep] = kept
             return scale, rmse, reachable
-        return self._fit_all(x, shift, tau, limit, at_least)
+        return self._fit_all(x, shift, slack, tau, limit, at_least)
 
-    def _fit_all(self, x: torch.Tensor, shift: torch.Tensor, tau: float, limit: float,
+    def _fit_all(self, x: torch.Tensor, shift: torch.Tensor, slack: torch.Tensor, tau: float, limit: float,
                  at_least: float) -> tuple[float, torch.Tensor, bool]:
         cfg, dx = self.config, shift.shape[1]
-        unit = shift.norm(dim=1)
-        linear = max(from_rmse(tau * (1 + 2 * cfg.rtol), dx) / float(unit.min()), at_least)
+        unit, target = shift.norm(dim=1), from_rmse(tau * (1 + cfg.rtol), dx)
         if cfg.bounds is None:  # the budget is checked on the final noise
+            linear = max(target / max(float((unit - slack).min()), 1e-30), at_least)
             return linear, to_rmse(unit * linear, dx), True
         low, high = input_bounds(cfg.bounds, x)
-        return box_scale(x, shift, low, high, tau, cfg.rtol, linear, max(limit, linear))
+        start = max(target / max(float(unit.min()), 1e-30), at_least)  # no sample certifies below it
+        return box_scale(x, shift, low, high, tau, cfg.rtol, start, max(limit, start), slack)
 
 
-def checked_solve(shift: torch.Tensor, jd: torch.Tensor, converged: torch.Tensor,
-                   allow_unusable: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(shift with unusable samples zeroed, ‖J_i·vector‖, usable = converged and moved); an unusable
-    sample fails the guard unless ``allow_unusable`` (then it can only be left out)."""
+def checked_solve(shift: torch.Tensor, jd: torch.Tensor, converged: torch.Tensor, allow_unusable: bool,
+                  error_bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(shift with unusable samples zeroed, ‖J_i·vector‖, usable = converged and moved, the shift's
+    error bound, zero where zeroed); an unusable sample fails the guard unless ``allow_unusable``
+    (then it can only be left out)."""
     moved = shift.norm(dim=1) > 0
     usable = converged & moved
     if not allow_unusable:
@@ -196,7 +204,8 @@ def checked_solve(shift: torch.Tensor, jd: torch.Tensor, converged: torch.Tensor
             raise GuardFailure("the I2F solve did not converge")
         if not bool(moved.all()):
             raise GuardFailure("the noise direction has no measurable effect on some sample")
-    return torch.where(usable.unsqueeze(1), shift, torch.zeros_like(shift)), jd, usable
+    return (torch.where(usable.unsqueeze(1), shift, torch.zeros_like(shift)), jd, usable,
+            torch.where(usable, error_bound.to(shift), torch.zeros_like(error_bound, dtype=shift.dtype)))
 
 
 _UNUSABLE = ("the I2F solve did not converge or the noise direction has no measurable effect on some sample, "
@@ -233,30 +242,31 @@ def input_bounds(bounds: tuple | str, x: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def box_scale(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: torch.Tensor, tau: float, rtol: float,
-               start: float, limit: float) -> tuple[float, torch.Tensor, bool]:
+              start: float, limit: float, slack: torch.Tensor | None = None) -> tuple[float, torch.Tensor, bool]:
     """Smallest scale c ≥ ``start`` with every sample's clip(x + c·Δx) − x of RMSE ≥ τ, for Δx = ``shift``.
 
     Each pixel's clipped error |clip(x + c·a) − x| is nondecreasing in c, so the worst sample's RMSE
-    is too and bisection finds c. CG's bound ‖Δx̃ − Δx‖ ≤ rtol‖Δx̃‖ and clip being 1-Lipschitz
-    bound the exact clipped RMSE below by r̃(c) − rtol·c‖Δx̃‖/√dx; that is what must reach
-    τ(1 + rtol) (aimed at τ(1 + 2·rtol)). Returns (c, r̃(c) per sample, reachable within ``limit``);
-    the returned c always satisfies the bound when reachable (bisection keeps a verified upper end).
+    is too and bisection finds c. The exact shift lies within ``slack`` η_i of Δx̃_i (the solver's
+    verified bound; default rtol‖Δx̃_i‖), so what must reach τ(1 + rtol) is the certified lower bound
+    of ``flguard.guard.box_bound`` at radius c·η_i — at least r̃(c) − c·η_i/√dx (clip is 1-Lipschitz),
+    more where pixels saturate. Returns (c, r̃(c) per sample, reachable within ``limit``); the
+    returned c always satisfies the bound when reachable (bisection keeps a verified upper end).
     """
     dx = shift.shape[1]
     delta = shift.view_as(x)
-    slack = to_rmse(rtol * shift.norm(dim=1), dx)
+    slack = rtol * shift.norm(dim=1) if slack is None else slack
 
     def clipped(c: float) -> torch.Tensor:
         return to_rmse((torch.clamp(x + c * delta, low, high) - x).flatten(1).norm(dim=1), dx)
 
     def worst(c: float) -> float:
-        return float((clipped(c) - c * slack).min())
+        return float(to_rmse(clipped_error_bound(x, shift, low, high, c, slack), dx).min())
 
-    target = tau * (1 + 2 * rtol)
+    target = tau * (1 + rtol)
     lo = min(start, limit)
     if worst(lo) >= target:
         return lo, clipped(lo), True
-    # The bound r̃(c) − c·slack is not monotone: r̃ saturates at the box while the CG slack grows with
+    # The certified bound is not monotone: r̃ saturates at the box while the solver's slack grows with
     # c, so it is judged where it first succeeds — doubling from ``start`` — never only at ``limit``.
     hi = lo
     while worst(hi) < target:

@@ -109,13 +109,13 @@ class Perturber:
         cfg = self.config
         direction = (isotropic(op.dtheta, generator, flat) if kind == "gaussian"
                      else rowspace(op, generator, cfg.eps, cfg.eps_mode == "relative"))
-        shift, jd, converged, lambda_max, eps, lambda_ok = i2f_solve_with_lambda_max(
+        shift, jd, converged, lambda_max, eps, lambda_ok, bound = i2f_solve_with_lambda_max(
             op, direction.vector, cfg.eps, cfg.eps_mode == "relative", cfg.rtol, seed=seed, max_iter=floor.SOLVER_MAX_ITER,
             skip=_left_out_unsolved(op, cfg))
         if not bool(lambda_ok.all()) and cfg.max_excluded <= 0:  # else such a sample is one to leave out
             raise GuardFailure("λmax did not converge within the Lanczos limit")
         ctx = DefenseContext(op, flat, eps, lambda_max, generator, cfg)
-        solved = checked_solve(shift, jd, converged, allow_unusable=cfg.max_excluded > 0)
+        solved = checked_solve(shift, jd, converged, cfg.max_excluded > 0, bound)
         return FloorCalibrator(cfg, clip).meet(ctx, (direction, solved), kind=kind)
 
     def _without(self, left: torch.Tensor, op: Jacobian, flat: torch.Tensor, clip: float | None,

@@ -147,9 +147,11 @@ def jacobian_product(op: Jacobian, delta: torch.Tensor) -> torch.Tensor:
 def i2f_solve(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float,
               ritz: tuple[torch.Tensor, torch.Tensor] | None = None,
               max_iter: int | None = None) -> tuple[torch.Tensor, ...]:
-    """((K_i+ε_iI)⁻¹J_iδ [B, dx], ‖J_iδ‖, converged) per sample — I2F's definition, written once.
+    """((K_i+ε_iI)⁻¹J_iδ [B, dx], ‖J_iδ‖, converged, error bound) per sample — I2F's definition, written once.
 
-    The solution is the predicted shift of sample i's best reconstruction (model-input units).
+    The solution is the predicted shift of sample i's best reconstruction (model-input units); the
+    error bound ‖x − x*‖ ≤ ‖r‖/ε is the solver's (on the true residual with ``ritz``; plain CG's
+    recurrence residual otherwise, which its converged samples keep ≤ rtol‖x‖).
     ``delta`` is shared [dθ] or per sample [B, dθ]; the CG stops on the error bound ‖r‖/ε.
     ``ritz``: Ritz pairs of K_i (values [B, k], vectors [B, k, dx]) to precondition with; the stop
     is then on the true residual (``flguard.risk.krylov.preconditioned_cg``). ``max_iter`` caps each
@@ -157,7 +159,8 @@ def i2f_solve(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float,
     """
     b = jacobian_product(op, delta)
     solved = RegularisedK(op, eps).solve(b, rtol=rtol, ritz=ritz, max_iter=max_iter)
-    return solved.solution, b.norm(dim=1), solved.converged
+    bound = solved.error_bound if solved.error_bound is not None else rtol * solved.solution.norm(dim=1)
+    return solved.solution, b.norm(dim=1), solved.converged, bound
 
 
 def i2f_solve_with_lambda_max(op: Jacobian, delta: torch.Tensor, eps: float, relative: bool, rtol: float,
@@ -166,17 +169,18 @@ def i2f_solve_with_lambda_max(op: Jacobian, delta: torch.Tensor, eps: float, rel
     """``i2f_solve`` with ε_i = eps·λmax_i (``relative``) or eps set by the same run: one Lanczos run
     per sample started at J_iδ gives λmax and the solve (``flguard.risk.lanczos_solve``) — for a δ
     that does not depend on K's spectrum. Returns (shift [B, dx], ‖J_iδ‖, converged, λmax, ε,
-    λmax converged); converged: λmax's test and the true-residual bound ‖r‖/ε ≤ rtol‖shift‖. ``skip``:
+    λmax converged, error bound ‖r‖/ε on the true residual); converged: λmax's test and that bound ≤
+    rtol‖shift‖. ``skip``:
     samples left unsolved (shift 0, not converged)."""
     b = jacobian_product(op, delta)
     run = RegularisedK(op).solve_with_lambda_max(b, eps, relative=relative, rtol=rtol, seed=seed, max_iter=max_iter,
                                                  skip=skip)
-    return run.solution, b.norm(dim=1), run.converged, run.lambda_max, run.eps, run.lambda_converged
+    return run.solution, b.norm(dim=1), run.converged, run.lambda_max, run.eps, run.lambda_converged, run.error_bound
 
 
 def i2f_norms(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float) -> tuple[torch.Tensor, ...]:
     """(‖(K_i+ε_iI)⁻¹J_iδ‖, ‖J_iδ‖, converged) per sample (see ``i2f_solve``)."""
-    shift, jd_norm, converged = i2f_solve(op, delta, eps, rtol)
+    shift, jd_norm, converged, _ = i2f_solve(op, delta, eps, rtol)
     return shift.norm(dim=1), jd_norm, converged
 
 

@@ -1,0 +1,73 @@
+"""The box certificate (``flguard.guard.box_bound``): a lower bound on the clipped recovery error over
+every exact shift within the solver's error radius — never above the true minimum, and tighter than
+clip's 1-Lipschitz bound where pixels saturate."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from flguard.guard.box_bound import clipped_error_bound, error_bound_from_saturation
+from flguard.guard.floor import box_scale
+
+
+def _clipped(x: torch.Tensor, shift: torch.Tensor, scale: float) -> torch.Tensor:
+    return (torch.clamp(x + scale * shift, 0.0, 1.0) - x).norm(dim=1)
+
+
+def test_without_saturation_the_bound_is_the_1_lipschitz_one_exactly():
+    torch.manual_seed(0)
+    error = torch.rand(5, 40, dtype=torch.float64)
+    radius = torch.tensor([0.0, 0.3, 1.0, 2.5, 100.0], dtype=torch.float64)
+    bound = error_bound_from_saturation(error, torch.zeros_like(error), radius)
+    expected = (error.norm(dim=1) - radius).clamp_min(0.0)  # attained: d = −R·e/‖e‖ while R ≤ ‖e‖
+    assert torch.allclose(bound, expected, atol=1e-12, rtol=0)
+
+
+def test_the_bound_never_exceeds_the_true_minimum_on_a_dense_grid_of_perturbations():
+    """Three pixels, partly saturated: the minimum of the clipped error over a dense grid of the
+    ball ‖d‖ ≤ R (≥ the true minimum) is never below the bound, and the bound beats r̃ − R."""
+    torch.manual_seed(1)
+    steps = torch.linspace(-1.0, 1.0, 41, dtype=torch.float64)
+    grid = torch.stack(torch.meshgrid(steps, steps, steps, indexing="ij"), dim=-1).reshape(-1, 3)
+    grid = grid[grid.norm(dim=1) <= 1.0]
+    gains = []
+    for trial in range(12):
+        x = torch.rand(1, 3, dtype=torch.float64)
+        shift = torch.randn(1, 3, dtype=torch.float64) * 1.5
+        radius = torch.rand(1, dtype=torch.float64) * 1.2
+        bound = float(clipped_error_bound(x, shift, torch.zeros(1), torch.ones(1), 1.0, radius))
+        reached = (torch.clamp(x + shift + radius * grid, 0.0, 1.0) - x).norm(dim=1).min()
+        assert bound <= float(reached) + 1e-9, trial
+        lipschitz = max(float(_clipped(x, shift, 1.0)) - float(radius), 0.0)
+        assert bound >= lipschitz - 1e-12, trial
+        gains.append(bound - lipschitz)
+    assert max(gains) > 0.1  # saturation is used, not only the 1-Lipschitz bound
+
+
+def test_a_deeply_saturated_pixel_keeps_most_of_its_error():
+    """One pixel 2 beyond the box, error 1, radius 1: no perturbation within the radius reaches the
+    box (true minimum 1); the 1-Lipschitz bound gives 0, the dual max_w min(1, 9w) − w/(1 − w) = 7/8."""
+    bound = error_bound_from_saturation(torch.tensor([[1.0]], dtype=torch.float64), torch.tensor([[2.0]], dtype=torch.float64),
+                                        torch.tensor([1.0], dtype=torch.float64))
+    assert math.isclose(float(bound), math.sqrt(7 / 8), rel_tol=1e-12)
+
+
+def test_box_scale_certifies_the_exact_shift_for_any_error_within_the_slack():
+    """The fitted scale meets τ for the exact shift Δ while box_scale only saw Δ̃ = Δ + e with ‖e‖ = η,
+    e chosen against it (pushing Δ̃ further out of the box, which inflates the clipped error)."""
+    torch.manual_seed(2)
+    for trial, (batch, dx) in enumerate(itertools.product((1, 4), (16, 64))):
+        x = torch.rand(batch, dx, dtype=torch.float64)
+        exact = torch.randn(batch, dx, dtype=torch.float64)
+        away = torch.where(x + exact > 0.5, torch.ones_like(x), -torch.ones_like(x))  # further from the box's middle
+        slack = 0.3 * exact.norm(dim=1)
+        solved = exact + away / away.norm(dim=1, keepdim=True) * slack.unsqueeze(1)
+        tau = 0.2
+        scale, rmse, reachable = box_scale(x, solved, torch.zeros(1), torch.ones(1), tau, 1e-2, 1e-3, 1e3, slack)
+        assert reachable, trial
+        exact_rmse = _clipped(x, exact, scale) / math.sqrt(dx)
+        assert bool((exact_rmse >= tau).all()), (trial, exact_rmse.min())
+        assert bool((rmse >= exact_rmse - 1e-12).all())  # what is reported is the solved (inflated) value

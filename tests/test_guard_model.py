@@ -98,15 +98,13 @@ def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f(def
     1e-2·λmax) on a 3-channel GroupNorm ResNet fed channels-last inputs: the noise actually applied
     gives every kept sample a dense-recomputed, box-clipped I²F RMSE ≥ τ, and the report's values
     agree with the dense ones — with the cached products and with the direct ones that large models
-    take (two samples per chunk here; the eigen directions then mapped one vector at a time)."""
-    from flguard.defenses import eigen
+    take (two samples per chunk here)."""
     from flguard.risk import operator
     torch.manual_seed(0)
     model = create("resnet8_gn", image_size=6).double()
     if products == "direct":
         dtheta = sum(p.numel() for p in model.parameters())
         monkeypatch.setattr(operator, "CACHED_UP_TO", 2 * dtheta)
-        monkeypatch.setattr(eigen, "MAX_CHUNK_FLOATS", 4 * dtheta)
     x = torch.rand(4, 3, 6, 6, dtype=torch.float64)
     x = ((x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)).to(
         memory_format=torch.channels_last)

@@ -71,3 +71,24 @@ def test_box_scale_certifies_the_exact_shift_for_any_error_within_the_slack():
         exact_rmse = _clipped(x, exact, scale) / math.sqrt(dx)
         assert bool((exact_rmse >= tau).all()), (trial, exact_rmse.min())
         assert bool((rmse >= exact_rmse - 1e-12).all())  # what is reported is the solved (inflated) value
+
+
+def test_certifies_decides_as_the_bound_does_with_its_shortcuts():
+    """``certifies`` skips the dual where r̃ − R or r̃ settles the question: the same answers as
+    comparing ``clipped_error_bound``'s RMSE with the target, at targets below, between and above."""
+    from flguard.guard.box_bound import certifies
+
+    torch.manual_seed(3)
+    x = torch.rand(6, 1, 5, 5, dtype=torch.float64)
+    shift = torch.randn(6, 25, dtype=torch.float64) * torch.tensor([0.2, 1.0, 3.0, 10.0, 30.0, 100.0],
+                                                                     dtype=torch.float64).unsqueeze(1)
+    radius = 0.2 * shift.norm(dim=1)
+    low, high = torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+    decided = 0
+    for scale in (0.01, 0.1, 1.0):
+        rmse = clipped_error_bound(x, shift, low, high, scale, radius) / 5.0
+        for target in torch.linspace(0.0, 0.6, 25).tolist():
+            expected = rmse >= target
+            assert torch.equal(certifies(x, shift, low, high, scale, radius, target), expected), (scale, target)
+            decided += int(expected.sum())
+    assert 0 < decided < 3 * 25 * 6

@@ -24,22 +24,44 @@ from __future__ import annotations
 
 import torch
 
+from flguard.risk.closed_forms import to_rmse
+
 
 def clipped_error_bound(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
                         scale: float, radius: torch.Tensor) -> torch.Tensor:
     """[B]: a lower bound on ‖clip(x_i + scale·Δ_i, low, high) − x_i‖ over every exact shift Δ_i with
     ‖Δ_i − shift_i‖ ≤ radius_i (``shift`` [B, dx], ``radius`` [B] per unit scale; ``low``/``high``
     broadcastable to x, which they contain). Computed in float64."""
+    error, beyond = _errors(x, shift, low, high, scale)
+    return error_bound_from_saturation(error, beyond, scale * radius.double().clamp_min(0.0))
+
+
+def certifies(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: torch.Tensor, scale: float,
+              radius: torch.Tensor, target: float) -> torch.Tensor:
+    """[B] bool: whether ``clipped_error_bound``'s RMSE (÷√dx) reaches ``target`` — decided by the
+    cheap bounds where they settle it (r̃ − R reaches it: yes; r̃ itself does not: no), the dual's
+    sort run only on the other samples (the floor asks this for dozens of scales per step)."""
+    dx = shift.shape[1]
+    error, beyond = _errors(x, shift, low, high, scale)
+    r = scale * radius.double().clamp_min(0.0)
+    nominal = error.norm(dim=1)
+    out = to_rmse(nominal - r, dx) >= target
+    undecided = ~out & (to_rmse(nominal, dx) >= target)
+    if bool(undecided.any()):
+        out[undecided] = to_rmse(error_bound_from_saturation(error[undecided], beyond[undecided], r[undecided]), dx) >= target
+    return out
+
+
+def _errors(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(|clip(x + scale·shift) − x|, the distance of x + scale·shift outside the box) per pixel [B, dx], float64."""
     batch = shift.shape[0]
     x64 = x.reshape(batch, -1).double()
     moved = x64 + scale * shift.double()
     low64 = low.double().expand_as(x).reshape(batch, -1)
     high64 = high.double().expand_as(x).reshape(batch, -1)
     inside = torch.minimum(torch.maximum(moved, low64), high64)
-    error = (inside - x64).abs()
-    beyond = (moved - inside).abs()
-    r = scale * radius.double().clamp_min(0.0)
-    return error_bound_from_saturation(error, beyond, r)
+    return (inside - x64).abs(), (moved - inside).abs()
 
 
 def error_bound_from_saturation(error: torch.Tensor, beyond: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:

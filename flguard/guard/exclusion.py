@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from flguard.guard.box_bound import clipped_error_bound
+from flguard.guard.box_bound import certifies
 from flguard.risk.closed_forms import to_rmse
 from flguard.risk.clipped import ClippedJacobian
 from flguard.risk.operator import JacobianOperator
@@ -42,7 +42,7 @@ def reachable_at(x: torch.Tensor, shift: torch.Tensor, bounds: tuple[torch.Tenso
     if bounds is None:
         return to_rmse((shift.norm(dim=1) - slack) * scale, dx) >= target
     low, high = bounds
-    return to_rmse(clipped_error_bound(x, shift, low, high, scale, slack), dx) >= target
+    return certifies(x, shift, low, high, scale, slack, target)
 
 
 #: A sample whose term in the upload is at most this share of the clipping norm C (or, without

@@ -15,7 +15,7 @@ import torch
 
 from flguard.defenses import DIRECTIONS, DefenseContext, Direction
 from flguard.defenses.gaussian import gaussian_direction
-from flguard.guard.box_bound import clipped_error_bound
+from flguard.guard.box_bound import certifies
 from flguard.guard.config import GuardConfig
 from flguard.guard.exclusion import excludable, kept_gradient, negligible_samples, reachable_at
 from flguard.guard.failure import GuardFailure
@@ -259,23 +259,23 @@ def box_scale(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: tor
     def clipped(c: float) -> torch.Tensor:
         return to_rmse((torch.clamp(x + c * delta, low, high) - x).flatten(1).norm(dim=1), dx)
 
-    def worst(c: float) -> float:
-        return float(to_rmse(clipped_error_bound(x, shift, low, high, c, slack), dx).min())
+    def meets(c: float) -> bool:
+        return bool(certifies(x, shift, low, high, c, slack, target).all())
 
     target = tau * (1 + rtol)
     lo = min(start, limit)
-    if worst(lo) >= target:
+    if meets(lo):
         return lo, clipped(lo), True
     # The certified bound is not monotone: r̃ saturates at the box while the solver's slack grows with
     # c, so it is judged where it first succeeds — doubling from ``start`` — never only at ``limit``.
     hi = lo
-    while worst(hi) < target:
+    while not meets(hi):
         if hi >= limit:
             return limit, clipped(limit), False
         lo, hi = hi, min(2 * hi, limit)
     for _ in range(60):
         mid = (lo * hi) ** 0.5
-        lo, hi = (lo, mid) if worst(mid) >= target else (mid, hi)
+        lo, hi = (lo, mid) if meets(mid) else (mid, hi)
         if hi / lo < 1 + 1e-4:
             break
     return hi, clipped(hi), True

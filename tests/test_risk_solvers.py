@@ -70,6 +70,29 @@ def test_cg_error_bound_gives_relative_accuracy():
     assert bool(out.converged.all()) and torch.all(error <= 1e-3)
 
 
+def test_trace_products_stay_within_their_float_budget(monkeypatch):
+    """With a budget of 2 vectors' products per call (B = 3, dθ = 500: 3,000 floats), exact_trace and
+    plain Hutchinson never ask jt for more, and give the values of the unbudgeted calls: the exact trace
+    equals Σ‖J_i‖²_F, the estimate the same probes' mean."""
+    from flguard.risk import trace
+
+    jac = _jacobians(dx=40, dtheta=500, decay=0.9)
+    truth = jac.pow(2).sum(dim=(1, 2))
+    widest = []
+
+    def jt(u: torch.Tensor) -> torch.Tensor:
+        widest.append(u.shape[1])
+        return torch.einsum("bkd,bdp->bkp", u, jac)
+
+    unbudgeted = hutchinson(jt, 3, 40, like=jac, rtol=0.0, probes=16, max_probes=16, seed=5)[0]
+    assert widest == [1, 15]  # the first vector tells dθ, the rest fit the default budget
+    widest.clear()
+    monkeypatch.setattr(trace, "MAX_PRODUCT_FLOATS", 2 * 3 * 500)
+    torch.testing.assert_close(exact_trace(jt, 3, 40, like=jac), truth)
+    torch.testing.assert_close(hutchinson(jt, 3, 40, like=jac, rtol=0.0, probes=16, max_probes=16, seed=5)[0], unbudgeted)
+    assert max(widest) == 2
+
+
 def test_exact_and_deflated_hutchinson_traces():
     for decay in (0.97, 0.9):
         jac = _jacobians(dx=300, dtheta=500, decay=decay)

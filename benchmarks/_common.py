@@ -142,6 +142,15 @@ def in_child(fn, *args):
         return pool.apply(fn, args)
 
 
+def add_batch_arguments(parser) -> None:
+    """The options of the scripts that guard a few batches of ``bench_guard_models.py``'s trained model:
+    ``--model``, ``--batch``, ``--batches``, ``--train-steps``."""
+    parser.add_argument("--model", default="cnn")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batches", type=int, default=6)
+    parser.add_argument("--train-steps", type=int, default=150)
+
+
 def guard_settings(items: list[str]) -> dict:
     """``FIELD=VALUE`` command-line items as GuardConfig keyword arguments (numbers as floats)."""
     settings = {}

@@ -20,16 +20,14 @@ import time
 import torch
 
 import flguard.guard.perturb as perturb
+from _common import add_batch_arguments
 from bench_guard_models import _task
 from flguard import Guard, GuardConfig
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="cnn")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--batches", type=int, default=6)
-    parser.add_argument("--train-steps", type=int, default=150)
+    add_batch_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, (x, y), _, data = _task(args.model, args.train_steps, "cpu", 0)

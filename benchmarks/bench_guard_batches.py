@@ -1,0 +1,56 @@
+"""``Guard.protect`` on a few batches of a trained model, one line per batch: to compare two commits (or two
+settings) on the same batches.
+
+The model and batches are ``bench_guard_models.py``'s (trained unguarded from a fixed seed; batch k drawn with
+seed k); the guard has the data's normalisation, ``seed=0`` and any ``FIELD=VALUE`` given. Printed per batch:
+whether the floor was met, the kind sent, the guard's seconds, Jacobian products per sample, the noise in units
+of the clipping norm C, samples left out (negligible ones), and the least certified RMSE over τ.
+
+    cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_guard_batches.py --model cnn --batch 32 --batches 6
+    cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_guard_batches.py --model cnn --batches 6 rtol=0.03
+    # another commit on the same batches: PYTHONPATH=<its worktree> ../.venv/bin/python bench_guard_batches.py …
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from _common import add_batch_arguments, guard_settings
+from bench_guard_models import _task
+from flguard import Guard, GuardConfig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_batch_arguments(parser)
+    parser.add_argument("settings", nargs="*", metavar="FIELD=VALUE")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model, (x, y), _, data = _task(args.model, args.train_steps, "cpu", 0)
+    params = list(model.parameters())
+    seconds = []
+    print("| batch | met | kind | guard s | products/sample | noise / C | left out (negligible) | min RMSE / τ |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for seed in range(1, args.batches + 1):
+        idx = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:args.batch]
+        xb, yb = x[idx], y[idx]
+        loss = torch.nn.functional.cross_entropy(model(xb), yb)
+        g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, params)])
+        guard = Guard(GuardConfig(pixel_mean=data.mean, pixel_std=data.std, seed=0, **guard_settings(args.settings)))
+        start = time.perf_counter()
+        report = guard.protect(model, xb, yb, g).report
+        seconds.append(time.perf_counter() - start)
+        d = report.details
+        noise = report.noise_norm / d["clip"] if d.get("clip") else float("nan")
+        print(f"| {seed} | {report.met} | {d.get('defense_used', report.defense)} | {seconds[-1]:.2f} | {report.matvecs:.1f} | "
+              f"{noise:.4g} | {d.get('excluded', 0)} ({d.get('excluded_negligible', 0)}) | "
+              f"{float(report.rmse_after.min()) / report.min_rmse:.3f} |", flush=True)
+    print(f"median guard seconds per batch: {statistics.median(seconds):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -75,3 +75,19 @@ def dense_shifted_solve(kernel: torch.Tensor, rhs: torch.Tensor, eps: torch.Tens
     """(K_i + ε_iI)⁻¹ rhs_i by ``torch.linalg.solve``."""
     eye = torch.eye(kernel.shape[1], dtype=kernel.dtype)
     return torch.linalg.solve(kernel + eps.view(-1, 1, 1) * eye, rhs.unsqueeze(-1)).squeeze(-1)
+
+
+def assert_reported_rmse(report, dense: torch.Tensor, rtol: float, where: torch.Tensor | None = None,
+                         solver_rtol: float | None = None) -> None:
+    """The guard's ``rmse_after`` against a dense recomputation: within the report's own per-sample
+    ``rmse_error`` (the noise scale × the solver's verified error bound) and ``rtol`` of rounding —
+    a sample the solver stopped early reports its value to its own accuracy, the binding one to rtol.
+    The error bound must also be non-trivial where it matters: the least-protected sample's is within
+    the solver's tolerance (``solver_rtol``, the guard's rtol; default ``rtol``)."""
+    reported, error = report.rmse_after.double(), report.rmse_error.double()
+    dense = dense.double()
+    if where is not None:
+        reported, error, dense = reported[where], error[where], dense[where]
+    assert torch.all((reported - dense).abs() <= error + rtol * dense), (reported, dense, error)
+    binding = int(dense.argmin())
+    assert float(error[binding]) <= (solver_rtol or rtol) * float(dense[binding]), (error, dense)

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from flguard.guard.box_bound import clipped_error_bound, error_bound_from_saturation
+from flguard.guard.box_bound import clipped_error_bound, error_bound_from_saturation, least_scales
 from flguard.guard.floor import box_scale
 
 
@@ -92,3 +92,27 @@ def test_certifies_decides_as_the_bound_does_with_its_shortcuts():
             assert torch.equal(certifies(x, shift, low, high, scale, radius, target), expected), (scale, target)
             decided += int(expected.sum())
     assert 0 < decided < 3 * 25 * 6
+
+
+def test_least_scales_is_each_samples_least_reaching_scale_on_a_dense_grid():
+    """``least_scales`` (the guard's early-stop aim) against a dense scan of scales: the clipped RMSE
+    reaches the target at the returned scale and not 0.5% below it; +inf where the limit cannot reach it;
+    the linear scale where the box never binds."""
+    torch.manual_seed(3)
+    x = torch.rand(6, 50, dtype=torch.float64)
+    shift = torch.randn(6, 50, dtype=torch.float64)
+    shift[4] *= 1e-4  # needs more than the limit
+    low, high = torch.zeros(1, 50, dtype=torch.float64), torch.ones(1, 50, dtype=torch.float64)
+    target, limit = 0.35, 50.0
+    least = least_scales(x, shift, low, high, target, limit)
+    rmse = lambda scale, i: float(_clipped(x[i:i + 1], shift[i:i + 1], scale)[0]) / math.sqrt(50)
+    assert math.isinf(float(least[4]))
+    for i in (0, 1, 2, 3, 5):
+        s = float(least[i])
+        assert rmse(s, i) >= target and rmse(s / 1.005, i) < target, (i, s)
+        grid = torch.logspace(-3, math.log10(limit), 4000, dtype=torch.float64)
+        first = next(float(c) for c in grid if rmse(float(c), i) >= target)
+        assert s <= first * (1 + 4e-3)  # BISECTIONS resolve a span of 10^6 to 3.4e-3
+    wide = least_scales(x, shift, low - 1e6, high + 1e6, target, limit)
+    linear = target * math.sqrt(50) / shift.norm(dim=1)
+    torch.testing.assert_close(wide[[0, 1, 2, 3, 5]], linear[[0, 1, 2, 3, 5]], rtol=0, atol=0)

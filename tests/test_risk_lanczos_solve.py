@@ -19,7 +19,7 @@ from flguard.risk.krylov import preconditioned_cg, spectral_preconditioner
 from flguard.risk.lanczos import lanczos
 from flguard.risk.lanczos_solve import lanczos_solve
 from flguard.risk.operator import JacobianOperator
-from risk_reference import dense_jacobians, dense_shifted_solve, outlier_kernels, tiny_conv_problem
+from risk_reference import dense_jacobians, dense_shifted_solve, outlier_kernels, tiny_conv_problem, assert_reported_rmse
 from guard_settings import unclipped
 
 
@@ -108,7 +108,7 @@ def test_gaussian_guard_meets_the_floor_under_dense_recomputation(monkeypatch, o
     exact = dense_shifted_solve(kernel, jac @ (out.gradient - g), out.report.eps)
     rmse = exact.norm(dim=1) / jac.shape[1] ** 0.5
     assert torch.all(rmse >= tau), rmse
-    torch.testing.assert_close(out.report.rmse_after, rmse, rtol=2e-3, atol=0)
+    assert_reported_rmse(out.report, rmse, rtol=2e-3)
 
 
 def test_products_that_break_the_lanczos_relation_are_finished_by_pcg_with_a_true_bound(monkeypatch):
@@ -169,3 +169,86 @@ def test_skipped_samples_take_no_product_and_leave_the_others_unchanged():
     exact = dense_shifted_solve(kernel, rhs, run.eps)[~skip]
     assert torch.all((run.solution[~skip] - exact).norm(dim=1) <= run.error_bound[~skip])
 
+
+
+def _counting(kernel, counts):
+    """(matvec, rows_matvec) that count each sample's products in ``counts``."""
+    def rows_matvec(u, rows):
+        counts.index_add_(0, rows, torch.ones_like(rows))
+        return torch.einsum("bij,bj->bi", kernel[rows], u)
+    return lambda u: rows_matvec(u, torch.arange(u.shape[0])), rows_matvec
+
+
+def test_a_sufficient_rule_stops_samples_early_with_their_true_bound():
+    """``sufficient`` accepting samples 0 and 1 at 30% error: they stop with fewer products than the
+    rtol test asks, their ``error_bound`` is the true residual's and bounds ‖x − x*‖ (x* from
+    ``torch.linalg.solve``) — above rtol‖x‖, so they did stop early — and they count as converged;
+    samples 2 and 3, never accepted, end at rtol."""
+    kernel, rhs = outlier_kernels(seed=3)
+    loose = torch.tensor([True, True, False, False])
+    asked_rows = []
+
+    def rule(x, error, ask):
+        asked_rows.append(ask.clone())
+        return ask & loose & (error <= 0.3 * x.norm(dim=1))
+
+    counts, plain_counts = torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
+    matvec, rows = _counting(kernel, counts)
+    run = lanczos_solve(matvec, rhs, eps=1e-3, rtol=1e-6, rows_matvec=rows, sufficient=rule)
+    matvec, rows = _counting(kernel, plain_counts)
+    plain = lanczos_solve(matvec, rhs, eps=1e-3, rtol=1e-6, rows_matvec=rows)
+    assert bool(run.converged.all()) and asked_rows
+    exact = dense_shifted_solve(kernel, rhs, run.eps)
+    true = (rhs - _matvec(kernel)(run.solution) - run.eps.unsqueeze(1) * run.solution).norm(dim=1) / run.eps
+    torch.testing.assert_close(run.error_bound, true, rtol=1e-8, atol=0)
+    assert torch.all((run.solution - exact).norm(dim=1) <= run.error_bound * (1 + 1e-8))
+    norms = run.solution.norm(dim=1)
+    assert torch.all(run.error_bound[loose] > 1e-6 * norms[loose]) and torch.all(run.error_bound[loose] <= 0.3 * norms[loose])
+    assert torch.all(run.error_bound[~loose] <= 1e-6 * norms[~loose])
+    assert torch.all(counts[loose] < plain_counts[loose]) and torch.equal(counts[~loose], plain_counts[~loose])
+    torch.testing.assert_close(run.solution[~loose], plain.solution[~loose], rtol=1e-10, atol=0)
+
+
+def test_a_sample_the_rule_stops_accepting_resumes_its_run_to_rtol():
+    """The rule accepts sample 0 once, then never again (the target moved while the others converged):
+    its verification asks again, it resumes its own Lanczos run where it stopped and ends at rtol."""
+    kernel, rhs = outlier_kernels(seed=3)
+    accepted_once = []
+
+    def rule(x, error, ask):
+        out = torch.zeros_like(ask)
+        if not accepted_once and bool(ask[0]) and float(error[0]) <= 0.3 * float(x[0].norm()):
+            accepted_once.append(True)
+            out[0] = True
+        return out
+
+    run = lanczos_solve(_matvec(kernel), rhs, eps=1e-3, rtol=1e-6, sufficient=rule)
+    assert accepted_once and bool(run.converged.all())
+    assert torch.all(run.error_bound <= 1e-6 * run.solution.norm(dim=1))
+    exact = dense_shifted_solve(kernel, rhs, run.eps)
+    assert torch.all((run.solution - exact).norm(dim=1) <= run.error_bound * (1 + 1e-8))
+
+
+@pytest.mark.parametrize("bounds", [None, (-3.0, 3.0)])
+def test_the_guard_stopping_samples_when_they_certify_spends_fewer_products_for_the_same_noise(monkeypatch, bounds):
+    """The guard's rule (``FloorCalibrator.sufficient``) against the rtol stop on the same draw: the floor
+    holds under dense float64 recomputation either way, the noise differs by at most the fit's
+    tolerance, and the rule takes no more products."""
+    model, x, y = tiny_conv_problem(batch=8, seed=1)
+    jac, g = dense_jacobians(model, x, y)
+    kernel = jac @ jac.transpose(1, 2)
+    tau, outs = 0.2, {}
+    for stop in (True, False):
+        monkeypatch.setattr(perturb_module, "STOP_WHEN_SUFFICIENT", stop)
+        cfg = unclipped(defense="gaussian", min_rmse=tau, seed=3, max_rel_noise=1e9, rtol=1e-2, input_bounds=bounds)
+        outs[stop] = out = Guard(cfg).protect(model, x, y, g)
+        assert out.report.met and out.gradient is not None
+        shift = dense_shifted_solve(kernel, jac @ (out.gradient - g), out.report.eps)
+        flat = x.flatten(1)
+        # the guard widens the box to contain x itself (``input_bounds``)
+        moved = shift if bounds is None else torch.clamp(flat + shift, flat.clamp(max=bounds[0]), flat.clamp(min=bounds[1])) - flat
+        rmse = moved.norm(dim=1) / jac.shape[1] ** 0.5
+        assert torch.all(rmse >= tau), rmse
+        assert_reported_rmse(out.report, rmse, rtol=2e-3, solver_rtol=1e-2)
+    assert outs[True].report.matvecs <= outs[False].report.matvecs
+    assert outs[True].report.noise_norm == pytest.approx(outs[False].report.noise_norm, rel=2e-2)

@@ -73,7 +73,8 @@ class Guard:
             rmse_after=outcome.rmse_after.cpu(), rmse_lb_after=outcome.rmse_lb_after.cpu(),
             eps=outcome.eps.cpu(), noise_norm=float(outcome.noise.norm()),
             rel_noise=float(outcome.noise.norm() / flat.norm().clamp_min(1e-30)), met=outcome.met, defense=cfg.defense,
-            reason=outcome.reason, matvecs=op.applications, seconds=0.0, min_rmse=cfg.floor, details=outcome.info)
+            reason=outcome.reason, matvecs=op.applications, seconds=0.0, min_rmse=cfg.floor, details=outcome.info,
+            rmse_error=None if outcome.rmse_error is None else outcome.rmse_error.cpu())
         if outcome.met or cfg.defense not in THRESHOLD_DEFENSES:
             report.seconds = time.perf_counter() - start
             base = flat if outcome.update is None else outcome.update

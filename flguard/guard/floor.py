@@ -15,13 +15,14 @@ import torch
 
 from flguard.defenses import DIRECTIONS, DefenseContext, Direction
 from flguard.defenses.gaussian import gaussian_direction
-from flguard.guard.box_bound import certifies
+from flguard.guard.box_bound import certifies, least_scales
 from flguard.guard.config import GuardConfig
 from flguard.guard.exclusion import excludable, kept_gradient, negligible_samples, reachable_at
 from flguard.guard.failure import GuardFailure
 from flguard.risk.assess import i2f_solve, jacobian_product
 from flguard.risk.closed_forms import from_rmse, i2f_lower_bound, to_rmse
 from flguard.risk.clipped import Jacobian, base_operator
+from flguard.risk.krylov import Sufficient
 
 #: The I²F solves behind the floor run PCG preconditioned by the Lanczos run's Ritz pairs (the
 #: spectral preconditioner of ``flguard.risk.krylov``), stopped on the true residual: same
@@ -50,6 +51,7 @@ class Outcome:
     reason: str = ""
     info: dict = field(default_factory=dict)
     update: torch.Tensor | None = None  # the upload without left-out samples (``max_excluded``); None: all kept
+    rmse_error: torch.Tensor | None = None  # per sample, |rmse_after − the exact value| at most this (``GuardReport``)
 
 
 class FloorCalibrator:
@@ -112,6 +114,8 @@ class FloorCalibrator:
                     info["excluded"] = int((~keep).sum())
                     info["excluded_negligible"] = int((~keep & free).sum())
         info["rmse_unbounded"] = to_rmse((shift if keep is None else shift[keep]).norm(dim=1) * scale, op.dx)
+        # ‖c·Δ̃ − c·Δ‖ ≤ c·η, and clip is 1-Lipschitz: the reported RMSE is within c·η/√dx of the exact one
+        error = to_rmse(slack * scale, op.dx) if keep is None else torch.where(keep, to_rmse(slack * scale, op.dx), 0.0)
         noise = vector * scale
         jd = jacobian_product(op, noise).norm(dim=1) if floor > 0 else unit_jd * scale
         if keep is not None:  # a left-out sample is not in the update: nothing of it to recover
@@ -127,9 +131,9 @@ class FloorCalibrator:
                                if self.clip is not None else
                                f"{float(noise.norm()) / max(float(ctx.gradient.norm()), 1e-30):.3g}× the gradient norm")
                             + f"{'' if reachable else ' or more (input_bounds clip the predicted error)'}; "
-                            f"budget max_rel_noise={cfg.max_rel_noise}", info)
+                            f"budget max_rel_noise={cfg.max_rel_noise}", info, rmse_error=error)
         update = None if keep is None else kept_gradient(op, ctx.gradient, keep)
-        return Outcome(noise, rmse, rmse_lb(jd, ctx.lambda_max, op.dx), ctx.eps, True, "", info, update)
+        return Outcome(noise, rmse, rmse_lb(jd, ctx.lambda_max, op.dx), ctx.eps, True, "", info, update, error)
 
     def _protectable(self, op: Jacobian, shift: torch.Tensor, slack: torch.Tensor, limit: float,
                      usable: torch.Tensor) -> tuple[torch.Tensor, float, torch.Tensor] | None:
@@ -155,6 +159,44 @@ class FloorCalibrator:
         if best is None or not (bool(best.all()) or excludable(best, cfg.max_excluded, free)):
             return None
         return best, at, free  # all kept: the doubling fit from the linear scale missed the window where all certify
+
+    def sufficient(self, x: torch.Tensor, limit: float) -> Sufficient:
+        """The solver's early stop (``flguard.risk.krylov.Sufficient``) for a direction whose scale may
+        reach ``limit``: the scale ĉ the batch will need is the largest of the samples' least scales
+        (each shift taken as exact, ``least_scales``; samples that need more than ``limit`` are left
+        out or withhold and do not set it), and a sample's solve is accurate enough once its certified
+        error, with its error bound as the radius, reaches τ(1 + rtol) across ĉ/(1 + rtol) to
+        ĉ(1 + rtol) — the room for ĉ to fall while the batch's binding samples converge. The binding
+        samples themselves never pass it: they run to rtol. The floor is then fitted on the verified
+        solves as always (``meet``), so the rule only sets how much is spent."""
+        cfg = self.config
+        target, spread = cfg.floor * (1 + cfg.rtol), 1 + cfg.rtol
+        bounds = None if cfg.bounds is None else input_bounds(cfg.bounds, x)
+
+        def rule(shift: torch.Tensor, error: torch.Tensor, ask: torch.Tensor) -> torch.Tensor:
+            dx, out = shift.shape[1], torch.zeros_like(ask)
+            if not bool(ask.any()):
+                return out
+            if bounds is None:
+                least = from_rmse(target, dx) / shift.double().norm(dim=1)
+                least = torch.where(least <= limit, least, torch.full_like(least, float("inf")))
+            else:
+                least = least_scales(x, shift, bounds[0], bounds[1], target, limit)
+            finite = torch.isfinite(least)
+            if not bool(finite.any()):
+                return out
+            need, rows = float(least[finite].max()), ask.nonzero().squeeze(1)
+            if bounds is None:
+                out[rows] = to_rmse((shift[rows].double().norm(dim=1) - error[rows].double()) * need / spread, dx) >= target
+                return out
+            low, high = (b.expand_as(x)[rows] for b in bounds)
+            lower = certifies(x[rows], shift[rows], low, high, need / spread, error[rows], target)
+            rows, low, high = rows[lower], low[lower], high[lower]
+            if rows.numel():
+                out[rows] = certifies(x[rows], shift[rows], low, high, need * spread, error[rows], target)
+            return out
+
+        return rule
 
     def solve(self, ctx: DefenseContext, vector: torch.Tensor,
                allow_unusable: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

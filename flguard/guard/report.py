@@ -23,6 +23,10 @@ class GuardReport:
     ``rmse_lb_after`` the lower bound's RMSE for the same δ; ``met`` is true only when every
     sample's ``rmse_after`` ≥ ``min_rmse``; ``reason`` says why not. A sample left out of the step
     (``max_excluded``; counted in ``details["excluded"]``) has +inf: its gradient is not sent.
+    ``rmse_error`` (threshold defenses): per sample, |rmse_after − the exact value| is at most this —
+    the noise scale × the solver's verified error bound, ÷√dx (clip is 1-Lipschitz, so it holds for
+    the box-clipped RMSE too). The solve stops each sample once it certifies, so a sample far above
+    the floor is reported to that accuracy, not to rtol (``flguard.guard.floor.FloorCalibrator.sufficient``).
     """
 
     rmse_after: torch.Tensor
@@ -37,6 +41,7 @@ class GuardReport:
     seconds: float
     min_rmse: float = 0.0
     details: dict = field(default_factory=dict)
+    rmse_error: torch.Tensor | None = None
 
     def metrics(self, dropped: bool = False) -> dict[str, float]:
         """The fixed numeric summary sent with a Flower reply (no noise seed, no direction)."""

@@ -16,6 +16,7 @@ from torch import nn
 from flguard.risk.closed_forms import i2f_lower_bound, to_rmse
 from flguard.risk.defaults import DEFAULT_EPS_RELATIVE
 from flguard.risk.lanczos import LanczosResult, lanczos
+from flguard.risk.krylov import Sufficient
 from flguard.risk.clipped import Jacobian
 from flguard.risk.operator import JacobianOperator, LossFn
 from flguard.risk.regularised import RegularisedK
@@ -165,16 +166,18 @@ def i2f_solve(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float,
 
 def i2f_solve_with_lambda_max(op: Jacobian, delta: torch.Tensor, eps: float, relative: bool, rtol: float,
                               seed: int = 0, max_iter: int | None = None,
-                              skip: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                              skip: torch.Tensor | None = None,
+                              sufficient: Sufficient | None = None) -> tuple[torch.Tensor, ...]:
     """``i2f_solve`` with ε_i = eps·λmax_i (``relative``) or eps set by the same run: one Lanczos run
     per sample started at J_iδ gives λmax and the solve (``flguard.risk.lanczos_solve``) — for a δ
     that does not depend on K's spectrum. Returns (shift [B, dx], ‖J_iδ‖, converged, λmax, ε,
     λmax converged, error bound ‖r‖/ε on the true residual); converged: λmax's test and that bound ≤
     rtol‖shift‖. ``skip``:
-    samples left unsolved (shift 0, not converged)."""
+    samples left unsolved (shift 0, not converged); ``sufficient``: the caller's early stop
+    (``flguard.risk.krylov.Sufficient``)."""
     b = jacobian_product(op, delta)
     run = RegularisedK(op).solve_with_lambda_max(b, eps, relative=relative, rtol=rtol, seed=seed, max_iter=max_iter,
-                                                 skip=skip)
+                                                 skip=skip, sufficient=sufficient)
     return run.solution, b.norm(dim=1), run.converged, run.lambda_max, run.eps, run.lambda_converged, run.error_bound
 
 

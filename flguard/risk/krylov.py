@@ -23,6 +23,12 @@ Matvec = Callable[[torch.Tensor], torch.Tensor]
 #: (v [r, n], rows [r]) → A_i v_i for the samples ``rows`` only: lets a solver pay for the samples
 #: still iterating, not the whole batch (``flguard.risk.regularised``'s shrinking products).
 RowsMatvec = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: (x [B, n], error bound [B], ask [B] bool) → [B] bool, False where not asked: the samples whose
+#: solve, at that accuracy, already serves its caller (the guard: the sample certifies at the noise
+#: scale the batch's least accurate sample will need). A solver stops such a sample before its rtol
+#: test; the caller re-checks the verified result, so the rule decides how much is spent, never
+#: whether a certificate holds. Every row of x is current: the rule may look at the whole batch.
+Sufficient = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass

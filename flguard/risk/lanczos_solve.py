@@ -18,6 +18,13 @@ accurate to ~1e-3 of λmax and slightly asymmetric, which breaks the Lanczos rel
 estimate rests on — is finished by PCG from its x, preconditioned by its own Ritz pairs (PCG
 re-forms the true residual and restarts from it). Each sample keeps its own basis length: it takes
 products only while iterating or being verified.
+
+``sufficient`` (the guard's certificate, ``flguard.risk.krylov.Sufficient``) stops a sample as soon as
+its iterate, at its estimated error, serves the caller — on a trained CNN most samples of a batch need
+a third of the iterations their rtol test asks (docs/results.md, "Stopping each sample when it
+certifies"). Once every sample has stopped and been verified, the rule is asked again on the verified
+iterates: a sample it no longer accepts (the batch's least accurate sample converged further and the
+target moved) resumes its own Lanczos run where it stopped.
 """
 
 from __future__ import annotations
@@ -26,16 +33,20 @@ from dataclasses import dataclass
 
 import torch
 
-from flguard.risk.krylov import Matvec, RowsMatvec, _on_rows, preconditioned_cg, spectral_preconditioner
+from flguard.risk.krylov import Matvec, RowsMatvec, Sufficient, _on_rows, preconditioned_cg, spectral_preconditioner
 
 _ITERATE, _VERIFY, _DONE = 0, 1, 2
+#: With ``sufficient``: a stop whose true error bound is within DRIFT× the recurrence's estimate was
+#: judged on a sound estimate; one the rule rejects resumes its Lanczos run (PCG finishes the others).
+DRIFT = 2.0
 
 
 @dataclass
 class LanczosSolveResult:
     """Per sample: ``solution`` [B, n]; ``lambda_max`` (θmax when it stopped) and ``eps`` [B];
     ``error_bound`` ‖b − (A+εI)x‖/ε from an explicit product [B]; ``lambda_converged`` (the Ritz
-    residual test) and ``converged`` (that and error_bound ≤ rtol‖x‖) [B]."""
+    residual test) and ``converged`` (that and error_bound ≤ rtol‖x‖, or the ``sufficient`` rule's
+    acceptance of the verified x) [B]."""
 
     solution: torch.Tensor
     lambda_max: torch.Tensor
@@ -49,13 +60,16 @@ class LanczosSolveResult:
 
 def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bool = True, rtol: float = 1e-3,
                   max_iter: int | None = None, rows_matvec: RowsMatvec | None = None,
-                  seed: int = 0, skip: torch.Tensor | None = None) -> LanczosSolveResult:
+                  seed: int = 0, skip: torch.Tensor | None = None,
+                  sufficient: Sufficient | None = None) -> LanczosSolveResult:
     """λmax of each PSD A_i and (A_i + ε_iI)⁻¹rhs_i, ε_i = eps·λmax_i (``relative``) or eps, from one
     Lanczos run per sample started at rhs_i (a random start where rhs_i = 0: x = 0 there).
 
     ``max_iter`` caps each sample's basis (default n). ``rows_matvec``: products on the samples that
     need them only (iterating or being verified). ``skip`` [B] bool: samples not to solve at all — no
     product, x = 0, neither λmax nor the solve converged (a caller that can leave them out).
+    ``sufficient``: a sample whose λmax has converged may stop once the rule accepts its iterate at the
+    estimated error (module doc); the verified iterates are asked again when all have stopped.
     """
     batch, dim = rhs.shape
     limit = dim if max_iter is None else min(max_iter, dim)
@@ -81,6 +95,7 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
     lambda_max, shift, bound = (torch.zeros(batch, dtype=dtype, device=device) for _ in range(3))
     lambda_ok = torch.zeros(batch, dtype=torch.bool, device=device)
     exhausted = torch.zeros_like(lambda_ok)
+    accepted = torch.zeros_like(lambda_ok)  # stopped by ``sufficient``, and accepted on the verified x
     iterations = matvecs = 0
     while bool((phase != _DONE).any()):
         iterations += 1
@@ -93,10 +108,14 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
             residual = rhs - out - shift.unsqueeze(1) * x
             true_bound = residual.norm(dim=1) / shift.clamp_min(tiny)
             true_bound = torch.where(rhs_norm > 0, true_bound, torch.zeros_like(true_bound))
-            bound = torch.where(verifying, true_bound, bound)
+            estimate, bound = bound, torch.where(verifying, true_bound, bound)
             passed = true_bound <= rtol * x.norm(dim=1)
-            refine = refine | (verifying & ~passed & ~exhausted)  # the recurrence estimate drifted: PCG below
-            phase = torch.where(verifying, _DONE, phase)
+            resume = torch.zeros_like(passed)
+            if sufficient is not None:  # rejected on a sound estimate: the target moved, so iterate on
+                passed = passed | sufficient(x, bound, verifying & ~passed & lambda_ok)
+                resume = verifying & ~passed & ~exhausted & (true_bound <= DRIFT * estimate)
+            refine = refine | (verifying & ~passed & ~exhausted & ~resume)  # the recurrence estimate drifted: PCG below
+            phase = torch.where(resume, _ITERATE, torch.where(verifying, _DONE, phase))
 
         if bool(iterating.any()):
             idx = iterating.nonzero().squeeze(1)
@@ -120,9 +139,15 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
             no_rhs = rhs_norm[idx] == 0  # x = 0 is exact; λmax is still wanted
             solve_ok = no_rhs | ((eps_now > 0) & (b * y_last.abs() / eps_now.clamp_min(tiny) <= rtol * y.norm(dim=1)))
             full = length[idx] >= limit
-            stop = (lam_ok & solve_ok) | full
             # a sample that stops: x = Q y, checked against the true residual at the next product
             solution = torch.einsum("rkn,rk->rn", used, y[:, :size])
+            if sufficient is not None:  # every iterate is current, so the rule sees the whole batch
+                x[idx] = solution
+                bound[idx] = b * y_last.abs() / eps_now.clamp_min(tiny)
+                ask = torch.zeros_like(lambda_ok)
+                ask[idx] = lam_ok & ~solve_ok
+                solve_ok = solve_ok | sufficient(x, bound, ask)[idx]
+            stop = (lam_ok & solve_ok) | full
             x[idx] = torch.where(stop.unsqueeze(1), solution, x[idx])
             lambda_max[idx], shift[idx], lambda_ok[idx], exhausted[idx] = top, eps_now, lam_ok, full
             phase[idx] = torch.where(stop, _VERIFY, phase[idx])
@@ -135,12 +160,19 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
             basis[idx, length[idx]] = torch.where(broken.unsqueeze(1), fresh / fresh.norm(dim=1, keepdim=True),
                                                   w / torch.where(broken, torch.ones_like(b), b).unsqueeze(1))
             beta[idx, m] = torch.where(broken, torch.zeros_like(b), b)
+        if sufficient is not None and not bool((phase != _DONE).any()):
+            # all verified: the rule again on the verified iterates; one it no longer accepts resumes
+            tight = bound <= rtol * x.norm(dim=1)
+            open_ = ~tight & lambda_ok & ~refine & ~exhausted & (length > 0)
+            accepted = sufficient(x, bound, open_)
+            resume = open_ & ~accepted
+            phase = torch.where(resume, torch.full_like(phase, _ITERATE), phase)
     if bool(refine.any()):
         idx = refine.nonzero().squeeze(1)
         x[idx], bound[idx], extra = _finish_with_pcg(matvec, rows_matvec, rhs, x, shift, idx,
                                                      (basis, alpha, beta, length), rtol, limit)
         matvecs += extra
-    converged = lambda_ok & (bound <= rtol * x.norm(dim=1))
+    converged = lambda_ok & ((bound <= rtol * x.norm(dim=1)) | (accepted & ~refine))
     return LanczosSolveResult(x, lambda_max, shift, bound, lambda_ok, converged, iterations, matvecs)
 
 

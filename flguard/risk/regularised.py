@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from flguard.risk.krylov import CGResult, conjugate_gradient, preconditioned_cg, spectral_preconditioner
+from flguard.risk.krylov import CGResult, Sufficient, conjugate_gradient, preconditioned_cg, spectral_preconditioner
 from flguard.risk.lanczos import LanczosResult, lanczos
 from flguard.risk.lanczos_solve import LanczosSolveResult, lanczos_solve
 from flguard.risk.clipped import Jacobian, base_operator
@@ -130,11 +130,12 @@ class RegularisedK:
 
     def solve_with_lambda_max(self, rhs: torch.Tensor, eps: float, *, relative: bool = True, rtol: float = 1e-3,
                               max_iter: int | None = None, seed: int = 0,
-                              skip: torch.Tensor | None = None) -> LanczosSolveResult:
+                              skip: torch.Tensor | None = None,
+                              sufficient: Sufficient | None = None) -> LanczosSolveResult:
         """λmax of K_i and (K_i + ε_iI)⁻¹rhs_i with ε_i = eps·λmax_i (``relative``) or eps, from one
         Lanczos run per sample started at rhs_i (``flguard.risk.lanczos_solve``): this object's own
         ε is not used — the run sets it. Products on the samples still iterating only, as ``solve``;
-        none on the samples ``skip`` marks."""
+        none on the samples ``skip`` marks; ``sufficient``: the caller's early stop."""
         rows = ShrinkingProducts(self.op) if SHRINK_TO_ACTIVE and not base_operator(self.op).coupled else None
         return lanczos_solve(self._kernel, rhs, eps=eps, relative=relative, rtol=rtol, max_iter=max_iter,
-                             rows_matvec=rows, seed=seed, skip=skip)
+                             rows_matvec=rows, seed=seed, skip=skip, sufficient=sufficient)

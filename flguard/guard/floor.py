@@ -150,6 +150,12 @@ class FloorCalibrator:
             return None
         bounds = None if cfg.bounds is None else input_bounds(cfg.bounds, op.x)
         free = negligible_samples(op)
+        if bool((usable | free).all()) and excludable(usable, cfg.max_excluded, free):
+            # only negligible samples are out (unsolved, ``SKIP_NEGLIGIBLE``): the others certify together, or
+            # the grid below finds whom else to leave out
+            scale, _, reachable = self._fit(op.x, shift, slack, cfg.floor, limit, 0.0, keep=usable)
+            if reachable:
+                return usable, scale, free
         best, at, rank = None, limit, None
         for scale in scale_grid(shift[usable], cfg.floor * (1 + cfg.rtol), limit):
             keep = reachable_at(op.x, shift, bounds, scale, cfg.floor, cfg.rtol, slack) & usable
@@ -172,6 +178,7 @@ class FloorCalibrator:
         cfg = self.config
         target, spread = cfg.floor * (1 + cfg.rtol), 1 + cfg.rtol
         bounds = None if cfg.bounds is None else input_bounds(cfg.bounds, x)
+        seen: list[torch.Tensor] = []  # the last call's shifts and least scales
 
         def rule(shift: torch.Tensor, error: torch.Tensor, ask: torch.Tensor) -> torch.Tensor:
             dx, out = shift.shape[1], torch.zeros_like(ask)
@@ -180,8 +187,14 @@ class FloorCalibrator:
             if bounds is None:
                 least = from_rmse(target, dx) / shift.double().norm(dim=1)
                 least = torch.where(least <= limit, least, torch.full_like(least, float("inf")))
-            else:
-                least = least_scales(x, shift, bounds[0], bounds[1], target, limit)
+            else:  # only the rows whose shift moved since the last call (the samples still iterating)
+                moved = (torch.ones_like(ask) if not seen else (shift != seen[0]).any(dim=1))
+                least = seen[1].clone() if seen else torch.empty(shift.shape[0], dtype=torch.float64, device=shift.device)
+                rows = moved.nonzero().squeeze(1)
+                if rows.numel():
+                    low, high = (b.expand_as(x)[rows] for b in bounds)
+                    least[rows] = least_scales(x[rows], shift[rows], low, high, target, limit)
+                seen[:] = [shift.clone(), least]
             finite = torch.isfinite(least)
             if not bool(finite.any()):
                 return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import flguard.guard.floor as floor_module
 import flguard.guard.perturb as perturb_module
 from flguard import Guard, GuardConfig
 from flguard.risk.assess import i2f_solve_with_lambda_max
@@ -229,18 +230,21 @@ def test_a_sample_the_rule_stops_accepting_resumes_its_run_to_rtol():
     assert torch.all((run.solution - exact).norm(dim=1) <= run.error_bound * (1 + 1e-8))
 
 
+@pytest.mark.parametrize("defense", ["gaussian", "eigen"])
 @pytest.mark.parametrize("bounds", [None, (-3.0, 3.0)])
-def test_the_guard_stopping_samples_when_they_certify_spends_fewer_products_for_the_same_noise(monkeypatch, bounds):
-    """The guard's rule (``FloorCalibrator.sufficient``) against the rtol stop on the same draw: the floor
-    holds under dense float64 recomputation either way, the noise differs by at most the fit's
-    tolerance, and the rule takes no more products."""
+def test_the_guard_stopping_samples_when_they_certify_spends_fewer_products_for_the_same_noise(monkeypatch, bounds,
+                                                                                               defense):
+    """The guard's rule (``FloorCalibrator.sufficient``) against the rtol stop on the same draw — in the
+    Gaussian's one Lanczos run and in eigen's PCG solve: the floor holds under dense float64
+    recomputation either way, the noise differs by at most the fit's tolerance, and the rule takes no
+    more products."""
     model, x, y = tiny_conv_problem(batch=8, seed=1)
     jac, g = dense_jacobians(model, x, y)
     kernel = jac @ jac.transpose(1, 2)
     tau, outs = 0.2, {}
     for stop in (True, False):
-        monkeypatch.setattr(perturb_module, "STOP_WHEN_SUFFICIENT", stop)
-        cfg = unclipped(defense="gaussian", min_rmse=tau, seed=3, max_rel_noise=1e9, rtol=1e-2, input_bounds=bounds)
+        monkeypatch.setattr(floor_module, "STOP_WHEN_SUFFICIENT", stop)
+        cfg = unclipped(defense=defense, min_rmse=tau, seed=3, max_rel_noise=1e9, rtol=1e-2, input_bounds=bounds)
         outs[stop] = out = Guard(cfg).protect(model, x, y, g)
         assert out.report.met and out.gradient is not None
         shift = dense_shifted_solve(kernel, jac @ (out.gradient - g), out.report.eps)

@@ -43,6 +43,30 @@ def test_pcg_matches_solve_within_its_true_residual_bound_and_needs_fewer_produc
     assert pcg.matvecs < plain.matvecs, (pcg.matvecs, plain.matvecs)
 
 
+def test_pcg_stops_the_samples_a_sufficient_rule_accepts_with_their_true_bound():
+    """``sufficient`` accepting samples 0 and 2 at 20% error: PCG sets them aside early, verifies them on
+    the true residual (the bound returned is that residual's and bounds ‖x − x*‖) and counts them as
+    converged; samples 1 and 3 end at rtol as without the rule."""
+    kernel, rhs = _kernels()
+    matvec = lambda u: torch.einsum("bij,bj->bi", kernel, u)  # noqa: E731
+    spectrum = lanczos(matvec, 4, 200, like=kernel, rtol=1e-2, ends="max", min_iter=4, return_vectors=True)
+    eps = 1e-3 * spectrum.lambda_max
+    precond = spectral_preconditioner(spectrum.ritz_values, spectrum.ritz_vectors, eps)
+    loose = torch.tensor([True, False, True, False])
+    rule = lambda x, error, ask: ask & loose & (error <= 0.2 * x.norm(dim=1))  # noqa: E731
+    run = preconditioned_cg(matvec, rhs, eps, precond, rtol=1e-8, sufficient=rule)
+    tight = preconditioned_cg(matvec, rhs, eps, precond, rtol=1e-8)
+    assert bool(run.converged.all())
+    true_residual = rhs - matvec(run.solution) - eps.unsqueeze(1) * run.solution
+    # the rtol samples' residual sits at rounding level: compared to 1e-13 absolute
+    torch.testing.assert_close(run.error_bound, true_residual.norm(dim=1) / eps, rtol=1e-6, atol=1e-13)
+    assert torch.all((run.solution - _dense(kernel, rhs, eps)).norm(dim=1) <= run.error_bound)
+    norms = run.solution.norm(dim=1)
+    assert torch.all(run.error_bound[loose] > 1e-8 * norms[loose]) and torch.all(run.error_bound[loose] <= 0.2 * norms[loose])
+    assert torch.all(run.error_bound[~loose] <= 1e-8 * norms[~loose])
+    assert torch.all(tight.error_bound[loose] <= 1e-8 * tight.solution.norm(dim=1)[loose])
+
+
 def test_the_bound_holds_with_a_useless_preconditioner_and_when_out_of_iterations():
     """The certificate never trusts the preconditioner: wrong "Ritz vectors" (random orthonormal
     ones with made-up values) slow PCG down but its bound still bounds the true error; stopped

@@ -16,7 +16,7 @@ from flguard.defenses.rowspace import rowspace
 from flguard.guard.config import THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard.exclusion import kept_gradient, negligible_samples
 from flguard.guard.failure import GuardFailure, failure_reason
-from flguard.guard import floor  # its PRECONDITION_CG and SOLVER_MAX_ITER read at call time (tests and benchmarks set them)
+from flguard.guard import floor  # its PRECONDITION_CG, SOLVER_MAX_ITER and STOP_WHEN_SUFFICIENT read at call time (tests and benchmarks set them)
 from flguard.guard.floor import FloorCalibrator, Outcome, checked_solve, noise_budget, rmse_lb
 from flguard.risk.assess import i2f_norms, i2f_solve_with_lambda_max
 from flguard.risk.closed_forms import to_rmse
@@ -30,11 +30,6 @@ from flguard.risk.regularised import RegularisedK
 #: from λmax's own residual test), about a third fewer Jacobian products (docs/results.md "One Lanczos
 #: run for λmax and the solve"). False: as before.
 LANCZOS_SOLVE = True
-#: The one-run solve stops each sample once it certifies at the scale the batch's least accurate sample will
-#: need (``FloorCalibrator.sufficient``), not at rtol: on the trained quickstart CNN most samples are
-#: saturated in the pixel box and need a third of the iterations (docs/results.md, "Stopping each sample
-#: when it certifies"). The floor is fitted and verified on the verified solves either way. False: as before.
-STOP_WHEN_SUFFICIENT = True
 #: The kinds whose direction is drawn before the spectrum is known (LANCZOS_SOLVE applies to them).
 ONE_RUN_KINDS = ("gaussian", "rowspace")
 #: With ``max_excluded`` > 0 the negligible samples (``flguard.guard.exclusion``: gradient ≤ 1% of C) are
@@ -118,7 +113,7 @@ class Perturber:
         limit = noise_budget(flat, cfg, clip) / max(float(direction.vector.norm()), 1e-30)
         shift, jd, converged, lambda_max, eps, lambda_ok, bound = i2f_solve_with_lambda_max(
             op, direction.vector, cfg.eps, cfg.eps_mode == "relative", cfg.rtol, seed=seed, max_iter=floor.SOLVER_MAX_ITER,
-            skip=_left_out_unsolved(op, cfg), sufficient=calibrator.sufficient(op.x, limit) if STOP_WHEN_SUFFICIENT else None)
+            skip=_left_out_unsolved(op, cfg), sufficient=calibrator.sufficient(op.x, limit) if floor.STOP_WHEN_SUFFICIENT else None)
         if not bool(lambda_ok.all()) and cfg.max_excluded <= 0:  # else such a sample is one to leave out
             raise GuardFailure("λmax did not converge within the Lanczos limit")
         ctx = DefenseContext(op, flat, eps, lambda_max, generator, cfg)

@@ -112,7 +112,8 @@ def spectral_preconditioner(ritz_values: torch.Tensor, ritz_vectors: torch.Tenso
 
 def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, precond: Matvec, *,
                       rtol: float = 1e-3, max_iter: int | None = None,
-                      rows_matvec: RowsMatvec | None = None, initial: torch.Tensor | None = None) -> CGResult:
+                      rows_matvec: RowsMatvec | None = None, initial: torch.Tensor | None = None,
+                      sufficient: Sufficient | None = None) -> CGResult:
     """Solve (A_i + shift_i I) x_i = rhs_i (A_i PSD; shift_i > 0 where rhs_i ≠ 0) by PCG, SPD ``precond``.
 
     The stop is verified: a sample whose recurrence residual passes ‖r‖/ε ≤ rtol‖x‖ is set aside
@@ -122,6 +123,8 @@ def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, pr
     ‖rhs − (A+εI)x‖/ε from that explicit product — ≥ ‖x − x*‖ for any x, since λmin(A+εI) ≥ ε.
     ``rows_matvec``: every product on the samples that need it only (iterating, or being verified).
     ``initial``: a starting x (its residual is formed by one explicit product); default 0.
+    ``sufficient``: the caller's early stop (``Sufficient``), asked on the recurrence residual's bound
+    and again on the true one; a sample it accepts there counts as converged.
     """
     if not bool(((shift > 0) | (rhs.norm(dim=1) == 0)).all()):
         raise ValueError("preconditioned_cg needs shift > 0 (its error bound is ‖r‖/shift) where rhs ≠ 0")
@@ -154,6 +157,8 @@ def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, pr
         x = x + step.unsqueeze(1) * p
         r = r - step.unsqueeze(1) * ap
         passed = active & (r.norm(dim=1) / shift <= rtol * x.norm(dim=1))
+        if sufficient is not None:
+            passed = passed | sufficient(x, r.norm(dim=1) / shift, active & ~passed)
         pending, active = pending | passed, active & ~passed
         restart = torch.zeros_like(active)
         if not bool(active.any()) and bool(pending.any()):
@@ -162,6 +167,8 @@ def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, pr
             true_bound = true_r.norm(dim=1) / shift
             verified = pending & (true_bound <= rtol * x.norm(dim=1))
             bound = torch.where(pending, true_bound, bound)
+            if sufficient is not None:
+                verified = verified | sufficient(x, bound, pending & ~verified)
             converged = converged | verified
             restart = pending & ~verified
             active, pending = restart, torch.zeros_like(pending)

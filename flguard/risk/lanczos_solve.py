@@ -169,19 +169,21 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
             phase = torch.where(resume, torch.full_like(phase, _ITERATE), phase)
     if bool(refine.any()):
         idx = refine.nonzero().squeeze(1)
-        x[idx], bound[idx], extra = _finish_with_pcg(matvec, rows_matvec, rhs, x, shift, idx,
-                                                     (basis, alpha, beta, length), rtol, limit)
+        x[idx], bound[idx], extra, finished = _finish_with_pcg(matvec, rows_matvec, rhs, x, shift, idx,
+                                                               (basis, alpha, beta, length), rtol, limit, sufficient)
         matvecs += extra
-    converged = lambda_ok & ((bound <= rtol * x.norm(dim=1)) | (accepted & ~refine))
+        accepted[idx] = finished  # by rtol or by the rule, on PCG's true residual
+    converged = lambda_ok & ((bound <= rtol * x.norm(dim=1)) | accepted)
     return LanczosSolveResult(x, lambda_max, shift, bound, lambda_ok, converged, iterations, matvecs)
 
 
 def _finish_with_pcg(matvec: Matvec, rows_matvec: RowsMatvec | None, rhs: torch.Tensor, x: torch.Tensor,
                      shift: torch.Tensor, idx: torch.Tensor, lanczos_state: tuple, rtol: float,
-                     limit: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(x, error bound, products) of the samples ``idx`` by PCG from their Lanczos x, preconditioned
-    by their own Ritz pairs (the padding past a sample's length gives θ = 0 pairs, which the
-    spectral preconditioner leaves alone)."""
+                     limit: int, sufficient: Sufficient | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """(x, error bound, products, converged) of the samples ``idx`` by PCG from their Lanczos x,
+    preconditioned by their own Ritz pairs (the padding past a sample's length gives θ = 0 pairs, which
+    the spectral preconditioner leaves alone); ``sufficient`` sees the whole batch, the others' x as is."""
     basis, alpha, beta, length = lanczos_state
     batch = rhs.shape[0]
     size = int(length[idx].max())
@@ -195,10 +197,16 @@ def _finish_with_pcg(matvec: Matvec, rows_matvec: RowsMatvec | None, rhs: torch.
         padded[idx[sub]] = v
         return _on_rows(matvec, rows_matvec, padded, mask)[idx[sub]]
 
+    def sub_rule(v: torch.Tensor, error: torch.Tensor, ask: torch.Tensor) -> torch.Tensor:
+        whole, errors, asked = x.clone(), torch.full_like(shift, float("inf")), torch.zeros_like(shift, dtype=torch.bool)
+        whole[idx], errors[idx], asked[idx] = v, error, ask
+        return sufficient(whole, errors, asked)[idx]
+
     every = torch.arange(idx.numel(), device=rhs.device)
     finish = preconditioned_cg(lambda v: sub_rows(v, every), rhs[idx], shift[idx], precond, rtol=rtol,
-                               max_iter=limit, rows_matvec=sub_rows, initial=x[idx])
-    return finish.solution, finish.error_bound, finish.matvecs
+                               max_iter=limit, rows_matvec=sub_rows, initial=x[idx],
+                               sufficient=None if sufficient is None else sub_rule)
+    return finish.solution, finish.error_bound, finish.matvecs, finish.converged
 
 
 def _tridiagonal(alpha: torch.Tensor, beta: torch.Tensor, length: torch.Tensor, size: int) -> torch.Tensor:

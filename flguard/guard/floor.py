@@ -161,11 +161,11 @@ class FloorCalibrator:
             return None
         bounds = None if cfg.bounds is None else input_bounds(cfg.bounds, op.x)
         free = negligible_samples(op)
-        if bool((usable | free).all()) and excludable(usable, cfg.max_excluded, free):
-            # only negligible samples are out (unsolved, ``SKIP_NEGLIGIBLE``): the others certify together, or
-            # the grid below finds whom else to leave out
+        if not bool(usable.all()) and bool((usable | free).all()) and excludable(usable, cfg.max_excluded, free):
+            # only negligible samples are out (unsolved, ``SKIP_NEGLIGIBLE``): the others certify together within
+            # the budget, or the grid below finds whom else to leave out
             scale, _, reachable = self._fit(op.x, shift, slack, cfg.floor, limit, 0.0, keep=usable)
-            if reachable:
+            if reachable and scale <= limit:
                 return usable, scale, free
         best, at, rank = None, limit, None
         for scale in scale_grid(shift[usable], cfg.floor * (1 + cfg.rtol), limit):

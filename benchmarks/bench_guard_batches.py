@@ -5,9 +5,12 @@ The model and batches are ``bench_guard_models.py``'s (trained unguarded from a 
 seed k); the guard has the data's normalisation, ``seed=0`` and any ``FIELD=VALUE`` given. Printed per batch:
 whether the floor was met, the kind sent, the guard's seconds, Jacobian products per sample, the noise in units
 of the clipping norm C, samples left out (negligible ones), and the least certified RMSE over τ.
+``--stop-at-rtol``: every sample's solve to rtol (``flguard.guard.floor.STOP_WHEN_SUFFICIENT`` off), the
+practice before the solves stopped each sample once it certifies.
 
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_guard_batches.py --model cnn --batch 32 --batches 6
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_guard_batches.py --model cnn --batches 6 rtol=0.03
+    cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_guard_batches.py --model cnn --batches 6 --stop-at-rtol
     # another commit on the same batches: PYTHONPATH=<its worktree> ../.venv/bin/python bench_guard_batches.py …
 """
 
@@ -22,14 +25,17 @@ import torch
 from _common import add_batch_arguments, guard_settings
 from bench_guard_models import _task
 from flguard import Guard, GuardConfig
+from flguard.guard import floor
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_batch_arguments(parser)
+    parser.add_argument("--stop-at-rtol", action="store_true", help="solve every sample to rtol")
     parser.add_argument("settings", nargs="*", metavar="FIELD=VALUE")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    floor.STOP_WHEN_SUFFICIENT = not args.stop_at_rtol
     model, (x, y), _, data = _task(args.model, args.train_steps, "cpu", 0)
     params = list(model.parameters())
     seconds = []

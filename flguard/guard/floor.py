@@ -118,9 +118,10 @@ class FloorCalibrator:
             if chosen is None and not certifiable:
                 raise GuardFailure(_UNUSABLE)
             if chosen is not None:  # fitted up to the scale at which the kept samples all certify
-                keep, at, free = chosen
+                keep, at, free, fitted = chosen
                 keep = None if bool(keep.all()) else keep
-                scale, rmse, reachable = self._fit(op.x, shift, slack, cfg.floor, max(at, at_least), at_least, keep=keep)
+                scale, rmse, reachable = fitted or self._fit(op.x, shift, slack, cfg.floor, max(at, at_least), at_least,
+                                                             keep=keep)
                 if keep is not None:
                     info["excluded"] = int((~keep).sum())
                     info["excluded_negligible"] = int((~keep & free).sum())
@@ -147,8 +148,9 @@ class FloorCalibrator:
         return Outcome(noise, rmse, rmse_lb(jd, ctx.lambda_max, op.dx), ctx.eps, True, "", info, update, error)
 
     def _protectable(self, op: Jacobian, shift: torch.Tensor, slack: torch.Tensor, limit: float,
-                     usable: torch.Tensor) -> tuple[torch.Tensor, float, torch.Tensor] | None:
-        """(the samples to keep, a scale ≤ ``limit`` at which they all certify, the negligible samples)
+                     usable: torch.Tensor) -> tuple[torch.Tensor, float, torch.Tensor, tuple | None] | None:
+        """(the samples to keep, a scale ≤ ``limit`` at which they all certify, the negligible samples, and
+        ``_fit``'s result for them when it was already fitted)
         when the budget (scale ``limit`` of the direction) cannot protect the whole batch — never an
         uncertifiable sample (``usable`` False); the scale is the least, on ``scales``' grid, that
         leaves out the fewest non-negligible samples, then the fewest samples. None when leaving the
@@ -164,9 +166,9 @@ class FloorCalibrator:
         if not bool(usable.all()) and bool((usable | free).all()) and excludable(usable, cfg.max_excluded, free):
             # only negligible samples are out (unsolved, ``SKIP_NEGLIGIBLE``): the others certify together within
             # the budget, or the grid below finds whom else to leave out
-            scale, _, reachable = self._fit(op.x, shift, slack, cfg.floor, limit, 0.0, keep=usable)
-            if reachable and scale <= limit:
-                return usable, scale, free
+            fitted = self._fit(op.x, shift, slack, cfg.floor, limit, 0.0, keep=usable)
+            if fitted[2] and fitted[0] <= limit:
+                return usable, fitted[0], free, fitted
         best, at, rank = None, limit, None
         for scale in scale_grid(shift[usable], cfg.floor * (1 + cfg.rtol), limit):
             keep = reachable_at(op.x, shift, bounds, scale, cfg.floor, cfg.rtol, slack) & usable
@@ -175,13 +177,14 @@ class FloorCalibrator:
                 best, at, rank = keep, scale, here
         if best is None or not (bool(best.all()) or excludable(best, cfg.max_excluded, free)):
             return None
-        return best, at, free  # all kept: the doubling fit from the linear scale missed the window where all certify
+        return best, at, free, None  # all kept: the doubling fit from the linear scale missed the window where all certify
 
     def sufficient(self, x: torch.Tensor, limit: float) -> Sufficient:
         """The solver's early stop (``flguard.risk.krylov.Sufficient``) for a direction whose scale may
         reach ``limit``: the scale ĉ the batch will need is the largest of the samples' least scales
-        (each shift taken as exact, ``least_scales``; samples that need more than ``limit`` are left
-        out or withhold and do not set it), and a sample's solve is accurate enough once its certified
+        (each shift taken as exact, ``least_scales``, and lowered by its error: the exact shift may be
+        longer; samples that need more than ``limit`` are left out or withhold and do not set it), and a
+        sample's solve is accurate enough once its certified
         error, with its error bound as the radius, reaches τ(1 + rtol) across ĉ/(1 + rtol) to
         ĉ(1 + rtol) — the room for ĉ to fall while the batch's binding samples converge. The binding
         samples themselves never pass it: they run to rtol. The floor is then fitted on the verified
@@ -206,6 +209,9 @@ class FloorCalibrator:
                     low, high = (b.expand_as(x)[rows] for b in bounds)
                     least[rows] = least_scales(x[rows], shift[rows], low, high, target, limit)
                 seen[:] = [shift.clone(), least]
+            # a sample's exact shift may be longer by its error: the least scale it will need is at least this
+            norm = shift.double().norm(dim=1)
+            least = least * norm / (norm + error.double()).clamp_min(1e-300)
             finite = torch.isfinite(least)
             if not bool(finite.any()):
                 return out

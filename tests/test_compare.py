@@ -222,3 +222,13 @@ def test_run_config_for_the_deployment_engine(comparison) -> None:
     assert result.exit_code == 0, result.output
     assert 'guard-defense="gaussian"' in result.output and "sim-truth-dir" not in result.output
     assert f'out-dir="{(out / "runs" / "guarded").resolve()}"' in result.output
+
+
+def test_seed_option_replaces_the_configs_seed(comparison) -> None:
+    """``--seed`` repeats a study with another seed: the Flower run config the defense gets carries it."""
+    config, out, _ = comparison
+    plain = CliRunner().invoke(app, ["compare", str(config), "--out", str(out), "--run-config", "guarded"])
+    seeded = CliRunner().invoke(app, ["compare", str(config), "--out", str(out), "--run-config", "guarded",
+                                      "--seed", "7"])
+    assert plain.exit_code == 0 and seeded.exit_code == 0, plain.output + seeded.output
+    assert "seed=7" in seeded.output.replace(" ", "") and "seed=7" not in plain.output.replace(" ", "")

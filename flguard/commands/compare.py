@@ -67,18 +67,28 @@ def summary_table(summaries: list[dict[str, Any]], title: str) -> Table:
     return table
 
 
-def run_and_report(config_path: Path, out: Path, *, resume: bool, verbose: bool, only: list[str] | None,
-                   console: Console) -> None:
-    """Run (or resume) the comparison, merge the tables, write the report, print the summary."""
-    from flguard.compare.classes import write_class_risk
+def _load(config_path: Path, seed: int | None):
+    """The comparison config, its ``seed`` replaced when one is given (a repeat of the same study)."""
     from flguard.compare.config import load_config
+
+    config = load_config(config_path)
+    return config if seed is None else config.model_copy(update={"seed": seed})
+
+
+def run_and_report(config_path: Path, out: Path, *, resume: bool, verbose: bool, only: list[str] | None,
+                   console: Console, seed: int | None = None) -> None:
+    """Run (or resume) the comparison, merge the tables, write the report, print the summary; ``seed``
+    replaces the config's (the copy written to OUT says so)."""
+    from flguard.compare.classes import write_class_risk
     from flguard.compare.report import write_report
     from flguard.compare.runner import run_comparison
     from flguard.compare.tables import build_tables
 
-    config = load_config(config_path)
+    config = _load(config_path, seed)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(Path(config_path).read_text(encoding="utf-8"), encoding="utf-8")
+    text = Path(config_path).read_text(encoding="utf-8")
+    note = "" if seed is None else f"# run with `flguard compare --seed {seed}`: seed = {seed}, whatever the file says\n"
+    (out / "config.toml").write_text(note + text, encoding="utf-8")
     started = time.perf_counter()
     logging.getLogger("flwr").addFilter(_DropDeprecation())
     _quiet_library_notices()
@@ -125,22 +135,24 @@ def compare_command(
     run_config: str = typer.Option(None, help="Print the `flwr run --run-config` string of this defense for the "
                                              "deployment engine, and exit."),
     verbose: bool = typer.Option(False, help="Show Flower's own log."),
+    seed: int = typer.Option(None, help="Replace the config's seed (partitions, initial model, attacks, noise): "
+                                        "the same study repeated."),
 ) -> None:
     """Train under every configured defense, attacked each round by a simulated malicious server; report."""
-    from flguard.compare.config import load_config, run_config_string
+    from flguard.compare.config import run_config_string
     from flguard.compare.runner import run_directory, simulation_overrides
     from flguard.config import ConfigError
 
     console = Console(width=None if Console().is_terminal else 140)
     try:
         if run_config:
-            cfg = load_config(config)
+            cfg = _load(config, seed)
             spec = cfg.defense(run_config)
             overrides = simulation_overrides(cfg, spec, run_directory(out, spec))
             overrides.pop("sim-truth-dir")  # no true-batch channel outside simulations
             typer.echo(run_config_string(overrides))
             return
-        run_and_report(config, out, resume=resume, verbose=verbose, only=only or None, console=console)
+        run_and_report(config, out, resume=resume, verbose=verbose, only=only or None, console=console, seed=seed)
     except ConfigError as error:
         console.print(f"[red]configuration error[/red]\n{error}")
         raise typer.Exit(2) from None

@@ -10,6 +10,8 @@ and the fishing attacker alone (``fishing_attack_psnr_best``).
 
     python benchmarks/study_frontier.py --run --out frontier-out      # CPU: about an hour
     python benchmarks/study_frontier.py --out frontier-out            # the table of a finished run
+    python benchmarks/study_frontier.py --run --seed 1 --out frontier-seed1 --tag _seed1 --only none localdp-e700 \
+        localdp-e2100 localdp-e7000 eigen-15dB eigen-15dB-unclipped clip-only    # the study repeated, a subset
 """
 
 from __future__ import annotations
@@ -68,17 +70,21 @@ def main() -> None:
     parser.add_argument("--out", default="frontier-out", help="the comparison's output folder")
     parser.add_argument("--config", default=str(ROOT / "simulations" / "frontier.toml"))
     parser.add_argument("--run", action="store_true", help="run the comparison first")
+    parser.add_argument("--seed", type=int, help="with --run: the config's seed replaced (the study repeated)")
+    parser.add_argument("--only", nargs="*", help="with --run: these defenses only")
+    parser.add_argument("--tag", default="", help="suffix of the P5 table's file (study_frontier<tag>.csv)")
     args = parser.parse_args()
     out = Path(args.out)
     if args.run:
-        subprocess.run([sys.executable, "-m", "flguard.cli", "compare", args.config, "--out", str(out)], check=True)
+        extra = ([] if args.seed is None else ["--seed", str(args.seed)]) + [a for d in args.only or [] for a in ("--only", d)]
+        subprocess.run([sys.executable, "-m", "flguard.cli", "compare", args.config, "--out", str(out), *extra], check=True)
     with open(out / "summary.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     print(write_table(rows, None, columns=["defense", "kind", "final_accuracy", "attack_psnr_best",
                                            "fishing_attack_psnr_best", "tau_met_share", "mean_rel_noise",
                                            "guard_overhead", "dropped_updates"]))
     table = p5_table(rows, "attack_psnr_best") + p5_table(rows, "fishing_attack_psnr_best")
-    _, path = study_paths("study_frontier")
+    _, path = study_paths(f"study_frontier{args.tag}")
     print(write_table(table, path))
 
 

@@ -184,9 +184,9 @@ class FloorCalibrator:
         reach ``limit``: the scale ĉ the batch will need is the largest of the samples' least scales
         (each shift taken as exact, ``least_scales``, and lowered by its error: the exact shift may be
         longer; samples that need more than ``limit`` are left out or withhold and do not set it), and a
-        sample's solve is accurate enough once its certified
-        error, with its error bound as the radius, reaches τ(1 + rtol) across ĉ/(1 + rtol) to
-        ĉ(1 + rtol) — the room for ĉ to fall while the batch's binding samples converge. The binding
+        sample's solve is accurate enough once its certified error, with its error bound as the radius,
+        reaches τ(1 + rtol) at ĉ/(1 + rtol) and at ĉ(1 + rtol) — room for ĉ to fall while the batch's
+        binding samples converge, and for the fit to land above it. The binding
         samples themselves never pass it: they run to rtol. The floor is then fitted on the verified
         solves as always (``meet``), so the rule only sets how much is spent."""
         cfg = self.config
@@ -233,7 +233,7 @@ class FloorCalibrator:
         """I2F's shift (K_i+εI)⁻¹J_i·vector [B, dx], ‖J_i·vector‖, which samples' shifts are usable
         (converged and nonzero) and each shift's error bound, checked: an unusable sample fails the
         guard unless ``allow_unusable``, and then its shift is zeroed (it can only be left out).
-        ``sufficient``: the solver's early stop (``sufficient``)."""
+        ``sufficient``: the solver's early stop (``FloorCalibrator.sufficient``)."""
         ritz = (ctx.spectrum.ritz_values, ctx.spectrum.ritz_vectors) if PRECONDITION_CG and ctx.spectrum else None
         shift, jd, converged, bound = i2f_solve(ctx.op, vector, ctx.eps, self.config.rtol, ritz=ritz,
                                                 max_iter=SOLVER_MAX_ITER, sufficient=sufficient)

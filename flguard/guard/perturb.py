@@ -16,7 +16,8 @@ from flguard.defenses.rowspace import rowspace
 from flguard.guard.config import THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard.exclusion import kept_gradient, negligible_samples
 from flguard.guard.failure import GuardFailure, failure_reason
-from flguard.guard import floor  # its PRECONDITION_CG, SOLVER_MAX_ITER and STOP_WHEN_SUFFICIENT read at call time (tests and benchmarks set them)
+# its PRECONDITION_CG, SOLVER_MAX_ITER and STOP_WHEN_SUFFICIENT are read at call time (tests and benchmarks set them)
+from flguard.guard import floor
 from flguard.guard.floor import FloorCalibrator, Outcome, checked_solve, noise_budget, rmse_lb
 from flguard.risk.assess import i2f_norms, i2f_solve_with_lambda_max
 from flguard.risk.closed_forms import to_rmse
@@ -111,9 +112,10 @@ class Perturber:
                      else rowspace(op, generator, cfg.eps, cfg.eps_mode == "relative"))
         calibrator = FloorCalibrator(cfg, clip)
         limit = noise_budget(flat, cfg, clip) / max(float(direction.vector.norm()), 1e-30)
+        rule = calibrator.sufficient(op.x, limit) if floor.STOP_WHEN_SUFFICIENT else None
         shift, jd, converged, lambda_max, eps, lambda_ok, bound = i2f_solve_with_lambda_max(
             op, direction.vector, cfg.eps, cfg.eps_mode == "relative", cfg.rtol, seed=seed, max_iter=floor.SOLVER_MAX_ITER,
-            skip=_left_out_unsolved(op, cfg), sufficient=calibrator.sufficient(op.x, limit) if floor.STOP_WHEN_SUFFICIENT else None)
+            skip=_left_out_unsolved(op, cfg), sufficient=rule)
         if not bool(lambda_ok.all()) and cfg.max_excluded <= 0:  # else such a sample is one to leave out
             raise GuardFailure("λmax did not converge within the Lanczos limit")
         ctx = DefenseContext(op, flat, eps, lambda_max, generator, cfg)

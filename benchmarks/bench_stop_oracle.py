@@ -1,0 +1,131 @@
+"""How much of each sample's solve the floor needs: the early stop against the rtol stop and an oracle.
+
+On trained batches of ``bench_guard_models.py``'s model, with the guard's defaults and the data's
+normalisation (``seed=0``), per batch:
+
+- the K products each sample takes in the guard's one-run solve (the verification product included),
+  with each sample stopped once it certifies (``flguard.guard.floor.STOP_WHEN_SUFFICIENT``) and with every
+  sample solved to rtol — counted per row of every product the solver asks for;
+- an oracle that knows the final noise scale c of the rtol-stopped guard: per sample, the fewest CG
+  iterations (from 0, at the guard's ε) whose *verified* error bound — an explicit true residual — still
+  certifies the sample at c (``flguard.guard.box_bound.certifies``), plus one verification product.
+
+The oracle is what any per-sample stop could spend with this certificate; the rtol stop is the practice
+before the early stop.
+
+    cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_stop_oracle.py --model cnn --batches 3
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from _common import add_batch_arguments
+from bench_guard_models import _task
+from flguard import Guard, GuardConfig
+from flguard.guard import floor
+from flguard.guard.box_bound import certifies
+from flguard.risk import regularised
+from flguard.risk import krylov
+from flguard.risk.assess import jacobian_product
+from flguard.risk.regularised import RegularisedK
+
+MAX_ORACLE_ITERATIONS = 60
+
+
+class RowCounter:
+    """Counts, per sample, the rows of every K product the guard's solvers ask for (whole-batch and shrunk)."""
+
+    def __init__(self, batch: int) -> None:
+        self.counts = torch.zeros(batch, dtype=torch.long)
+        self._on_rows, self._shrinking = krylov._on_rows, regularised.ShrinkingProducts.__call__
+
+    def __enter__(self) -> "RowCounter":
+        counter = self
+
+        def on_rows(matvec, rows_matvec, v, mask):
+            if rows_matvec is None or bool(mask.all()):
+                counter.counts += mask.long().cpu()
+            return counter._on_rows(matvec, rows_matvec, v, mask)
+
+        def shrinking(products, u, rows):
+            counter.counts.index_add_(0, rows.cpu(), torch.ones_like(rows.cpu()))
+            return counter._shrinking(products, u, rows)
+
+        krylov._on_rows = on_rows
+        import flguard.risk.lanczos_solve as lanczos_solve
+        lanczos_solve._on_rows = on_rows
+        regularised.ShrinkingProducts.__call__ = shrinking
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import flguard.risk.lanczos_solve as lanczos_solve
+        krylov._on_rows = lanczos_solve._on_rows = self._on_rows
+        regularised.ShrinkingProducts.__call__ = self._shrinking
+
+
+def _guarded(model, x, y, g, data, stop: bool):
+    floor.STOP_WHEN_SUFFICIENT = stop
+    captured = {}
+    meet = floor.FloorCalibrator.meet
+
+    def capture(self, ctx, solved=None, kind="gaussian"):
+        captured.update(ctx=ctx, solved=solved)
+        return meet(self, ctx, solved, kind)
+
+    floor.FloorCalibrator.meet = capture
+    try:
+        with RowCounter(len(y)) as counter:
+            report = Guard(GuardConfig(pixel_mean=data.mean, pixel_std=data.std, seed=0)).protect(model, x, y, g).report
+    finally:
+        floor.FloorCalibrator.meet = meet
+    return report, counter.counts, captured
+
+
+def _oracle(report, captured, config) -> torch.Tensor:
+    """Per sample, the fewest CG iterations whose verified bound certifies it at the sent scale (+1), -1 if none."""
+    ctx, (direction, (_, _, usable, _)) = captured["ctx"], captured["solved"]
+    op, scale = ctx.op, report.details["scale"]
+    b = jacobian_product(op, direction.vector)
+    system = RegularisedK(op, ctx.eps)
+    low, high = floor.input_bounds(config.bounds, op.x)
+    target = config.floor * (1 + config.rtol)
+    kept = usable & torch.isfinite(report.rmse_after.to(usable.device))
+    need = torch.full((op.batch_size,), -1, dtype=torch.long)
+    for k in range(1, MAX_ORACLE_ITERATIONS + 1):
+        x = system.solve(b, rtol=1e-12, max_iter=k).solution
+        bound = (b - system.matvec(x)).norm(dim=1) / ctx.eps
+        ok = certifies(op.x, x, low, high, scale, bound, target).cpu()
+        need = torch.where((need < 0) & ok, torch.full_like(need, k + 1), need)
+        if bool(((need >= 0) | ~kept.cpu()).all()):
+            break
+    return torch.where(kept.cpu(), need, torch.zeros_like(need))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_batch_arguments(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model, (X, Y), _, data = _task(args.model, args.train_steps, "cpu", 0)
+    params = list(model.parameters())
+    config = GuardConfig(pixel_mean=data.mean, pixel_std=data.std, seed=0)
+    print("| batch | K products, early stop (sample-rows, summed) | rtol stop | oracle | noise / C, early / rtol |\n"
+          "|---|---|---|---|---|")
+    for seed in range(1, args.batches + 1):
+        idx = torch.randperm(len(Y), generator=torch.Generator().manual_seed(seed))[:args.batch]
+        x, y = X[idx], Y[idx]
+        g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)])
+        early, early_counts, _ = _guarded(model, x, y, g, data, True)
+        tight, tight_counts, captured = _guarded(model, x, y, g, data, False)
+        oracle = _oracle(tight, captured, config)
+        clip = early.details.get("clip", float("nan"))
+        print(f"| {seed} | {int(early_counts.sum())} | {int(tight_counts.sum())} | {int(oracle.clamp_min(0).sum())} | "
+              f"{early.noise_norm / clip:.4g} / {tight.noise_norm / tight.details.get('clip', float('nan')):.4g} |", flush=True)
+    floor.STOP_WHEN_SUFFICIENT = True
+
+
+if __name__ == "__main__":
+    main()

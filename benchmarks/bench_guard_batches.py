@@ -23,7 +23,7 @@ import time
 import torch
 
 from _common import add_batch_arguments, guard_settings
-from bench_guard_models import _task
+from bench_guard_models import trained_batches
 from flguard import Guard, GuardConfig
 from flguard.guard import floor
 
@@ -36,16 +36,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     floor.STOP_WHEN_SUFFICIENT = not args.stop_at_rtol
-    model, (x, y), _, data = _task(args.model, args.train_steps, "cpu", 0)
-    params = list(model.parameters())
+    model, data, batches = trained_batches(args)
     seconds = []
     print("| batch | met | kind | guard s | products/sample | noise / C | left out (negligible) | min RMSE / τ |\n"
           "|---|---|---|---|---|---|---|---|")
-    for seed in range(1, args.batches + 1):
-        idx = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:args.batch]
-        xb, yb = x[idx], y[idx]
-        loss = torch.nn.functional.cross_entropy(model(xb), yb)
-        g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, params)])
+    for seed, xb, yb, g in batches:
         guard = Guard(GuardConfig(pixel_mean=data.mean, pixel_std=data.std, seed=0, **guard_settings(args.settings)))
         start = time.perf_counter()
         report = guard.protect(model, xb, yb, g).report

@@ -55,6 +55,20 @@ def _task(name: str, train_steps: int, device: str, seed: int = 0):
     return model, (x, y), (data.normalize(test.images).to(device), test.labels.to(device)), data
 
 
+def trained_batches(args):
+    """(model, data, [(seed, x, y, g), …]): ``_task``'s trained model and batches of ``args.batch`` drawn with
+    seeds 1 … ``args.batches`` (``_common.add_batch_arguments``), each with its batch gradient g (flat)."""
+    model, (x, y), _, data = _task(args.model, args.train_steps, "cpu", 0)
+    params = list(model.parameters())
+    batches = []
+    for seed in range(1, args.batches + 1):
+        idx = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:args.batch]
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, params)])
+        batches.append((seed, x[idx], y[idx], g))
+    return model, data, batches
+
+
 def _accuracy(model, x, y) -> float:
     with torch.no_grad():
         return 100.0 * float(torch.cat([model(b).argmax(1) for b in x.split(256)]).eq(y).float().mean())

@@ -21,7 +21,7 @@ import torch
 
 import flguard.guard.perturb as perturb
 from _common import add_batch_arguments
-from bench_guard_models import _task
+from bench_guard_models import trained_batches
 from flguard import Guard, GuardConfig
 
 
@@ -30,15 +30,10 @@ def main() -> None:
     add_batch_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model, (x, y), _, data = _task(args.model, args.train_steps, "cpu", 0)
-    params = list(model.parameters())
+    model, data, batches = trained_batches(args)
     seconds: dict[bool, list[float]] = {True: [], False: []}
     print("| batch | skip | met | guard s | products/sample | noise / C | left out (negligible) |\n|---|---|---|---|---|---|---|")
-    for seed in range(1, args.batches + 1):
-        idx = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:args.batch]
-        xb, yb = x[idx], y[idx]
-        loss = torch.nn.functional.cross_entropy(model(xb), yb)
-        g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, params)])
+    for seed, xb, yb, g in batches:
         for skip in (True, False, True, False):
             perturb.SKIP_NEGLIGIBLE = skip
             guard = Guard(GuardConfig(pixel_mean=data.mean, pixel_std=data.std, seed=0))

@@ -23,7 +23,7 @@ import argparse
 import torch
 
 from _common import add_batch_arguments
-from bench_guard_models import _task
+from bench_guard_models import trained_batches
 from flguard import Guard, GuardConfig
 from flguard.guard import floor
 from flguard.guard.box_bound import certifies
@@ -109,15 +109,11 @@ def main() -> None:
     add_batch_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model, (X, Y), _, data = _task(args.model, args.train_steps, "cpu", 0)
-    params = list(model.parameters())
+    model, data, batches = trained_batches(args)
     config = GuardConfig(pixel_mean=data.mean, pixel_std=data.std, seed=0)
     print("| batch | K products, early stop (sample-rows, summed) | rtol stop | oracle | noise / C, early / rtol |\n"
           "|---|---|---|---|---|")
-    for seed in range(1, args.batches + 1):
-        idx = torch.randperm(len(Y), generator=torch.Generator().manual_seed(seed))[:args.batch]
-        x, y = X[idx], Y[idx]
-        g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)])
+    for seed, x, y, g in batches:
         early, early_counts, _ = _guarded(model, x, y, g, data, True)
         tight, tight_counts, captured = _guarded(model, x, y, g, data, False)
         oracle = _oracle(tight, captured, config)

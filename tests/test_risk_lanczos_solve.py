@@ -256,3 +256,17 @@ def test_the_guard_stopping_samples_when_they_certify_spends_fewer_products_for_
         assert_reported_rmse(out.report, rmse, rtol=2e-3, solver_rtol=1e-2)
     assert outs[True].report.matvecs <= outs[False].report.matvecs
     assert outs[True].report.noise_norm == pytest.approx(outs[False].report.noise_norm, rel=2e-2)
+
+
+def test_a_sample_without_a_shift_is_never_stopped_by_the_rule():
+    """A sample whose K is zero but whose right-hand side is not (a float32 product that underflows) has
+    θmax = 0 and so ε = 0: no error bound exists to judge it by. A rule that accepts anything must not
+    stop it (it ran into PCG, which refuses ε = 0, and failed the whole solve); it ends unconverged while
+    the others converge."""
+    kernel, rhs = outlier_kernels(seed=3)
+    kernel[1] = 0.0
+    run = lanczos_solve(_matvec(kernel), rhs, eps=1e-3, rtol=1e-6, max_iter=30,
+                        sufficient=lambda x, error, ask: ask.clone())
+    assert not bool(run.converged[1]) and bool(run.converged[[0, 2, 3]].all())
+    exact = dense_shifted_solve(kernel[[0, 2, 3]], rhs[[0, 2, 3]], run.eps[[0, 2, 3]])
+    assert torch.all((run.solution[[0, 2, 3]] - exact).norm(dim=1) <= run.error_bound[[0, 2, 3]] * (1 + 1e-8))

@@ -112,9 +112,10 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
             passed = true_bound <= rtol * x.norm(dim=1)
             resume = torch.zeros_like(passed)
             if sufficient is not None:  # rejected on a sound estimate: the target moved, so iterate on
-                passed = passed | sufficient(x, bound, verifying & ~passed & lambda_ok)
+                passed = passed | sufficient(x, bound, verifying & ~passed & lambda_ok & (shift > 0))
                 resume = verifying & ~passed & ~exhausted & (true_bound <= DRIFT * estimate)
-            refine = refine | (verifying & ~passed & ~exhausted & ~resume)  # the recurrence estimate drifted: PCG below
+            # the recurrence estimate drifted: PCG below (which needs ε > 0; a sample without it stays unconverged)
+            refine = refine | (verifying & ~passed & ~exhausted & ~resume & (shift > 0))
             phase = torch.where(resume, _ITERATE, torch.where(verifying, _DONE, phase))
 
         if bool(iterating.any()):
@@ -145,7 +146,7 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
                 x[idx] = solution
                 bound[idx] = b * y_last.abs() / eps_now.clamp_min(tiny)
                 ask = torch.zeros_like(lambda_ok)
-                ask[idx] = lam_ok & ~solve_ok
+                ask[idx] = lam_ok & ~solve_ok & (eps_now > 0)  # ε = 0: no error bound to judge it by
                 solve_ok = solve_ok | sufficient(x, bound, ask)[idx]
             stop = (lam_ok & solve_ok) | full
             x[idx] = torch.where(stop.unsqueeze(1), solution, x[idx])
@@ -163,7 +164,7 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
         if sufficient is not None and not bool((phase != _DONE).any()):
             # all verified: the rule again on the verified iterates; one it no longer accepts resumes
             tight = bound <= rtol * x.norm(dim=1)
-            open_ = ~tight & lambda_ok & ~refine & ~exhausted & (length > 0)
+            open_ = ~tight & lambda_ok & ~refine & ~exhausted & (length > 0) & (shift > 0)
             accepted = sufficient(x, bound, open_)
             resume = open_ & ~accepted
             phase = torch.where(resume, torch.full_like(phase, _ITERATE), phase)
@@ -173,7 +174,9 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
                                                                (basis, alpha, beta, length), rtol, limit, sufficient)
         matvecs += extra
         accepted[idx] = finished  # by rtol or by the rule, on PCG's true residual
-    converged = lambda_ok & ((bound <= rtol * x.norm(dim=1)) | accepted)
+    # ε = 0 with rhs ≠ 0 (K_i zero in float32) leaves ‖r‖/ε no bound at all: x and it overflow, never "converged"
+    bounded = ((shift > 0) | (rhs_norm == 0)) & torch.isfinite(bound) & torch.isfinite(x.norm(dim=1))
+    converged = lambda_ok & bounded & ((bound <= rtol * x.norm(dim=1)) | accepted)
     return LanczosSolveResult(x, lambda_max, shift, bound, lambda_ok, converged, iterations, matvecs)
 
 

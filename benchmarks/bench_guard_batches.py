@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from _common import add_batch_arguments, guard_settings
+from _common import guard_settings
 from bench_guard_models import trained_batches
 from flguard import Guard, GuardConfig
 from flguard.guard import floor
@@ -30,13 +30,10 @@ from flguard.guard import floor
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_batch_arguments(parser)
     parser.add_argument("--stop-at-rtol", action="store_true", help="solve every sample to rtol")
     parser.add_argument("settings", nargs="*", metavar="FIELD=VALUE")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args, model, data, batches = trained_batches(parser)
     floor.STOP_WHEN_SUFFICIENT = not args.stop_at_rtol
-    model, data, batches = trained_batches(args)
     seconds = []
     print("| batch | met | kind | guard s | products/sample | noise / C | left out (negligible) | min RMSE / τ |\n"
           "|---|---|---|---|---|---|---|---|")

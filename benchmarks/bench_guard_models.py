@@ -55,9 +55,15 @@ def _task(name: str, train_steps: int, device: str, seed: int = 0):
     return model, (x, y), (data.normalize(test.images).to(device), test.labels.to(device)), data
 
 
-def trained_batches(args):
-    """(model, data, [(seed, x, y, g), …]): ``_task``'s trained model and batches of ``args.batch`` drawn with
-    seeds 1 … ``args.batches`` (``_common.add_batch_arguments``), each with its batch gradient g (flat)."""
+def trained_batches(parser):
+    """(args, model, data, [(seed, x, y, g), …]) for the scripts that guard a few batches: ``parser`` gets
+    ``_common.add_batch_arguments`` and is parsed, torch runs on one thread, and ``_task``'s trained model
+    gives batches of ``args.batch`` drawn with seeds 1 … ``args.batches``, each with its batch gradient g."""
+    from _common import add_batch_arguments
+
+    add_batch_arguments(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
     model, (x, y), _, data = _task(args.model, args.train_steps, "cpu", 0)
     params = list(model.parameters())
     batches = []
@@ -66,7 +72,7 @@ def trained_batches(args):
         loss = F.cross_entropy(model(x[idx]), y[idx])
         g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, params)])
         batches.append((seed, x[idx], y[idx], g))
-    return model, data, batches
+    return args, model, data, batches
 
 
 def _accuracy(model, x, y) -> float:

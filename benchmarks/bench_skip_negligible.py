@@ -20,17 +20,12 @@ import time
 import torch
 
 import flguard.guard.perturb as perturb
-from _common import add_batch_arguments
 from bench_guard_models import trained_batches
 from flguard import Guard, GuardConfig
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_batch_arguments(parser)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    model, data, batches = trained_batches(args)
+    _, model, data, batches = trained_batches(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     seconds: dict[bool, list[float]] = {True: [], False: []}
     print("| batch | skip | met | guard s | products/sample | noise / C | left out (negligible) |\n|---|---|---|---|---|---|---|")
     for seed, xb, yb, g in batches:

@@ -22,7 +22,6 @@ import argparse
 
 import torch
 
-from _common import add_batch_arguments
 from bench_guard_models import trained_batches
 from flguard import Guard, GuardConfig
 from flguard.guard import floor
@@ -105,11 +104,7 @@ def _oracle(report, captured, config) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_batch_arguments(parser)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    model, data, batches = trained_batches(args)
+    _, model, data, batches = trained_batches(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     config = GuardConfig(pixel_mean=data.mean, pixel_std=data.std, seed=0)
     print("| batch | K products, early stop (sample-rows, summed) | rtol stop | oracle | noise / C, early / rtol |\n"
           "|---|---|---|---|---|")

@@ -270,3 +270,29 @@ def test_a_sample_without_a_shift_is_never_stopped_by_the_rule():
     assert not bool(run.converged[1]) and bool(run.converged[[0, 2, 3]].all())
     exact = dense_shifted_solve(kernel[[0, 2, 3]], rhs[[0, 2, 3]], run.eps[[0, 2, 3]])
     assert torch.all((run.solution[[0, 2, 3]] - exact).norm(dim=1) <= run.error_bound[[0, 2, 3]] * (1 + 1e-8))
+
+
+def test_a_drifted_sample_is_finished_by_pcg_under_the_rule_with_a_true_bound(monkeypatch):
+    """The asymmetric operator of the PCG test above, with a rule accepting 2e-4 relative error: the drifted
+    samples reach PCG, which asks the rule with the whole batch's current x and bounds (never an
+    undefined one), and every sample ends converged with the true residual's bound."""
+    import flguard.risk.lanczos_solve as module
+
+    kernel, rhs = outlier_kernels(seed=6)
+    skew = torch.randn(4, 200, 200, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    skew = skew - skew.transpose(1, 2)
+    operator = kernel + 1e-4 * skew / torch.linalg.matrix_norm(skew, ord=2).view(-1, 1, 1)
+    operator[2:] = kernel[2:]  # samples 2 and 3 symmetric: only 0 and 1 drift, so PCG sees part of the batch
+    calls, seen = [], []
+    real = module.preconditioned_cg
+    monkeypatch.setattr(module, "preconditioned_cg", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def rule(x, error, ask):
+        seen.append(bool(torch.isfinite(error).all()))
+        return ask & (error <= 2e-4 * x.norm(dim=1))
+
+    run = lanczos_solve(_matvec(operator), rhs, eps=1e-2, rtol=1e-4, sufficient=rule)
+    assert calls and all(seen) and bool(run.converged.all())
+    true = rhs - _matvec(operator)(run.solution) - run.eps.unsqueeze(1) * run.solution
+    torch.testing.assert_close(run.error_bound, true.norm(dim=1) / run.eps, rtol=1e-8, atol=0)
+    assert torch.all(run.error_bound <= 2e-4 * run.solution.norm(dim=1))

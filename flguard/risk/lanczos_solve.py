@@ -171,7 +171,8 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
     if bool(refine.any()):
         idx = refine.nonzero().squeeze(1)
         x[idx], bound[idx], extra, finished = _finish_with_pcg(matvec, rows_matvec, rhs, x, shift, idx,
-                                                               (basis, alpha, beta, length), rtol, limit, sufficient)
+                                                               (basis, alpha, beta, length), rtol, limit, sufficient,
+                                                               bound)
         matvecs += extra
         accepted[idx] = finished  # by rtol or by the rule, on PCG's true residual
     # ε = 0 with rhs ≠ 0 (K_i zero in float32) leaves ‖r‖/ε no bound at all: x and it overflow, never "converged"
@@ -182,11 +183,12 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
 
 def _finish_with_pcg(matvec: Matvec, rows_matvec: RowsMatvec | None, rhs: torch.Tensor, x: torch.Tensor,
                      shift: torch.Tensor, idx: torch.Tensor, lanczos_state: tuple, rtol: float,
-                     limit: int, sufficient: Sufficient | None = None
+                     limit: int, sufficient: Sufficient | None = None, bounds: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """(x, error bound, products, converged) of the samples ``idx`` by PCG from their Lanczos x,
     preconditioned by their own Ritz pairs (the padding past a sample's length gives θ = 0 pairs, which
-    the spectral preconditioner leaves alone); ``sufficient`` sees the whole batch, the others' x as is."""
+    the spectral preconditioner leaves alone); ``sufficient`` sees the whole batch, the other samples' x
+    and error ``bounds`` as they are."""
     basis, alpha, beta, length = lanczos_state
     batch = rhs.shape[0]
     size = int(length[idx].max())
@@ -201,7 +203,7 @@ def _finish_with_pcg(matvec: Matvec, rows_matvec: RowsMatvec | None, rhs: torch.
         return _on_rows(matvec, rows_matvec, padded, mask)[idx[sub]]
 
     def sub_rule(v: torch.Tensor, error: torch.Tensor, ask: torch.Tensor) -> torch.Tensor:
-        whole, errors, asked = x.clone(), torch.full_like(shift, float("inf")), torch.zeros_like(shift, dtype=torch.bool)
+        whole, errors, asked = x.clone(), bounds.clone(), torch.zeros_like(shift, dtype=torch.bool)
         whole[idx], errors[idx], asked[idx] = v, error, ask
         return sufficient(whole, errors, asked)[idx]
 

@@ -58,10 +58,9 @@ def least_scales(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: 
     reaches ``target`` — the shift taken as exact (no radius); +inf where ``limit`` does not reach it.
     Each pixel's clipped error is nondecreasing in c, so a bisection in log scale finds it, from the
     linear scale (the clipped error never exceeds the unclipped one) up to ``limit``."""
-    batch, dx = shift.shape
-    x64, step = x.reshape(batch, -1).double(), shift.double()
-    low64 = low.double().expand_as(x).reshape(batch, -1)
-    high64 = high.double().expand_as(x).reshape(batch, -1)
+    dx = shift.shape[1]
+    x64, low64, high64 = _flat64(x, low, high)
+    step = shift.double()
     norm = step.norm(dim=1)
     need = target * dx ** 0.5
     lo = (need / norm.clamp_min(1e-300)).clamp_max(limit)
@@ -89,13 +88,16 @@ def _errors(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: torch
             scale: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(|clip(x + scale·shift) − x|, the distance of x + scale·shift outside the box) per pixel [B, dx], float64;
     ``scale`` one number or one per sample [B, 1]."""
-    batch = shift.shape[0]
-    x64 = x.reshape(batch, -1).double()
+    x64, low64, high64 = _flat64(x, low, high)
     moved = x64 + scale * shift.double()
-    low64 = low.double().expand_as(x).reshape(batch, -1)
-    high64 = high.double().expand_as(x).reshape(batch, -1)
     inside = torch.minimum(torch.maximum(moved, low64), high64)
     return (inside - x64).abs(), (moved - inside).abs()
+
+
+def _flat64(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x and the box (broadcastable to x) as float64 rows [B, dx]."""
+    batch = x.shape[0]
+    return tuple(t.double().expand_as(x).reshape(batch, -1) for t in (x, low, high))
 
 
 def error_bound_from_saturation(error: torch.Tensor, beyond: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:

@@ -191,7 +191,7 @@ class FloorCalibrator:
         solves as always (``meet``), so the rule only sets how much is spent."""
         cfg = self.config
         target, spread = cfg.floor * (1 + cfg.rtol), 1 + cfg.rtol
-        bounds = None if cfg.bounds is None else input_bounds(cfg.bounds, x)
+        bounds = None if cfg.bounds is None else tuple(b.expand_as(x) for b in input_bounds(cfg.bounds, x))
         seen: list[torch.Tensor] = []  # the last call's shifts and least scales
 
         def rule(shift: torch.Tensor, error: torch.Tensor, ask: torch.Tensor) -> torch.Tensor:
@@ -206,7 +206,7 @@ class FloorCalibrator:
                 least = seen[1].clone() if seen else torch.empty(shift.shape[0], dtype=torch.float64, device=shift.device)
                 rows = moved.nonzero().squeeze(1)
                 if rows.numel():
-                    low, high = (b.expand_as(x)[rows] for b in bounds)
+                    low, high = (b[rows] for b in bounds)
                     least[rows] = least_scales(x[rows], shift[rows], low, high, target, limit)
                 seen[:] = [shift.clone(), least]
             # a sample's exact shift may be longer by its error: the least scale it will need is at least this
@@ -219,7 +219,7 @@ class FloorCalibrator:
             if bounds is None:
                 out[rows] = to_rmse((shift[rows].double().norm(dim=1) - error[rows].double()) * need / spread, dx) >= target
                 return out
-            low, high = (b.expand_as(x)[rows] for b in bounds)
+            low, high = (b[rows] for b in bounds)
             lower = certifies(x[rows], shift[rows], low, high, need / spread, error[rows], target)
             rows, low, high = rows[lower], low[lower], high[lower]
             if rows.numel():

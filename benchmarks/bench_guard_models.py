@@ -117,6 +117,7 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
                 products=statistics.median(products) if products else 0.0, reasons=reasons,
                 used=" ".join(f"{kind}:{count}" for kind, count in sorted(used.items())),
                 rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                gpu_gb=torch.cuda.max_memory_allocated(device) / 2**30 if torch.device(device).type == "cuda" else None,
                 acc_before=before, acc_after=_accuracy(model, *test),
                 params=sum(p.numel() for p in model.parameters()))
 
@@ -144,6 +145,8 @@ def main() -> None:
                        products=guard["products"], sent=f"{guard['sent']}/{args.steps}", used=guard["used"],
                        left_out=guard["left_out"], rss_train_gb=plain["rss_gb"], rss_guard_gb=guard["rss_gb"],
                        acc_before=plain["acc_before"], acc_train=plain["acc_after"], acc_guard=guard["acc_after"])
+            if guard["gpu_gb"] is not None:  # on a CUDA device: the peak of its allocator, each round's own
+                row.update(gpu_train_gb=plain["gpu_gb"], gpu_guard_gb=guard["gpu_gb"])
             rows.append(row)
             print(row, flush=True)
             for reason in guard["reasons"]:

@@ -55,9 +55,12 @@ def _measure(name: str, batch: int, products: str, device: str, repeats: int, cl
     """One (model, batch, path) in this (child) process; ``clip``: the guard's operator, per-sample
     clipped at the median norm (``ClippedJacobian``, which keeps the per-sample gradients)."""
     from flguard.models import create
+    from flguard.risk import operator
     from flguard.risk.clipped import ClippedJacobian
     from flguard.risk.operator import JacobianOperator
 
+    if products == "direct-cpu-chunks":  # the direct path in the CPU's chunks on any device (a GPU's baseline)
+        products, operator.CUDA_CHUNK_SHARE = "direct", 0.0
     torch.manual_seed(0)
     channels, size = SHAPES[name]
     model = create(name, in_channels=channels, num_classes=10, image_size=size).to(device)
@@ -82,8 +85,9 @@ def _measure(name: str, batch: int, products: str, device: str, repeats: int, cl
              (("jt", lambda: op.jt(u)), ("j", lambda: op.j(v)))}
     fresh = JacobianOperator(model, x, y, products=products)
     grads = _timed(fresh.per_sample_gradients, device, 1)[0]
+    inner = getattr(op, "op", op)
     return dict(model=name, params=op.dtheta, B=batch, products=products, clip=clip,
-                path="direct" if getattr(op, "op", op).direct else "cached",
+                path="direct" if inner.direct else "cached", chunk=inner.sample_chunk if inner.direct else batch,
                 device=device, train_ms=1000 * train, kmv=kmv / train, first_kmv=first / train,
                 jt=times["jt"] / train, j=times["j"] / train, jt_over_j=times["jt"] / times["j"],
                 per_sample_grads=grads / train, peak_train_gb=peak_train, peak_kmv_gb=peak_kmv,
@@ -94,7 +98,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="cnn,resnet20_gn,resnet18_gn")
     parser.add_argument("--batch", default="8,32", help="batch sizes, comma-separated")
-    parser.add_argument("--paths", default="cached,direct,auto", help="product paths, comma-separated")
+    parser.add_argument("--paths", default="cached,direct,auto",
+                        help="product paths, comma-separated: cached, direct, auto, or direct-cpu-chunks (the "
+                             "direct path in the CPU's chunks of samples, on a GPU too)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--clip", action="store_true", help="the guard's operator: clipped at the median norm")
@@ -104,6 +110,7 @@ def main() -> None:
         for batch in (int(b) for b in args.batch.split(",")):
             for products in args.paths.split(","):
                 row = in_child(_measure, name, batch, products, args.device, args.repeats, args.clip)
+                row["products"] = products
                 rows.append(row)
                 print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     _, table = study_paths("bench_operator_products" + ("_clip" if args.clip else ""))

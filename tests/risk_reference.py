@@ -84,9 +84,10 @@ def assert_reported_rmse(report, dense: torch.Tensor, rtol: float, where: torch.
     a sample the solver stopped early reports its value to its own accuracy, the binding one to rtol.
     The error bound must also be non-trivial where it matters: the least-protected sample's is within
     the solver's tolerance (``solver_rtol``, the guard's rtol; default ``rtol``)."""
-    reported, error = report.rmse_after.double(), report.rmse_error.double()
+    reported, error = report.rmse_after.double().cpu(), report.rmse_error.double().cpu()  # a CUDA guard's too
     dense = dense.double()
     if where is not None:
+        where = where.cpu()
         reported, error, dense = reported[where], error[where], dense[where]
     assert torch.all((reported - dense).abs() <= error + rtol * dense), (reported, dense, error)
     binding = int(dense.argmin())

@@ -92,38 +92,47 @@ def _clipped_upload_jacobians(model, x, y, clip):
     return torch.stack([jacfwd(term)(x[i].contiguous(), y[i]).reshape(-1, x[i].numel()).T for i in range(len(x))])
 
 
-@pytest.mark.parametrize("defense,products", [("gaussian", "cached"), ("gaussian", "direct"), ("eigen", "direct"),
-                                              ("rowspace", "cached"), ("rowspace", "direct")])
-def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f(defense, products, monkeypatch):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.parametrize("defense,products,device", [
+    ("gaussian", "cached", "cpu"), ("gaussian", "direct", "cpu"), ("eigen", "direct", "cpu"),
+    ("rowspace", "cached", "cpu"), ("rowspace", "direct", "cpu"),
+    pytest.param("gaussian", "cached", "cuda", marks=CUDA), pytest.param("gaussian", "direct", "cuda", marks=CUDA),
+    pytest.param("eigen", "direct", "cuda", marks=CUDA)])
+def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f(defense, products, device, monkeypatch):
     """make_guarded with median clipping, exclusion and the 15 dB pixel floor (its pixel box, ε =
     1e-2·λmax) on a 3-channel GroupNorm ResNet fed channels-last inputs: the noise actually applied
     gives every kept sample a dense-recomputed, box-clipped I²F RMSE ≥ τ, and the report's values
     agree with the dense ones — with the cached products and with the direct ones that large models
-    take (two samples per chunk here)."""
+    take (two samples per chunk here, on a CUDA device too), on the CPU and on a CUDA device (the
+    reference always on the CPU)."""
     from flguard.risk import operator
     torch.manual_seed(0)
     model = create("resnet8_gn", image_size=6).double()
     if products == "direct":
         dtheta = sum(p.numel() for p in model.parameters())
         monkeypatch.setattr(operator, "CACHED_UP_TO", 2 * dtheta)
+        monkeypatch.setattr(operator, "CUDA_CHUNK_SHARE", 0.0)  # a CUDA device's chunks as small as the CPU's
     x = torch.rand(4, 3, 6, 6, dtype=torch.float64)
     x = ((x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)).to(
         memory_format=torch.channels_last)
     y = torch.tensor([0, 3, 5, 7])
     config = GuardConfig(defense=defense, pixel_mean=MEAN, pixel_std=STD, seed=3, clip_per_sample="median",
                          max_excluded=0.25, max_rel_noise=40.0, rtol=1e-2)
-    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.CrossEntropyLoss(),
-                                               config)
+    model, optimizer, criterion = make_guarded(model.to(device), torch.optim.SGD(model.parameters(), lr=0.0),
+                                               nn.CrossEntropyLoss(), config)
     optimizer.zero_grad()
-    criterion(model(x), y).backward()
+    criterion(model(x.to(device)), y.to(device)).backward()
     optimizer.step()
     report = optimizer.guard_reports[0]
     assert report.met
+    model.cpu()
     sent = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     per = JacobianOperator(model, x, y).per_sample_gradients()
     norms = per.norm(dim=1)
     clip = float(norms.median())
-    kept = torch.isfinite(report.rmse_after)
+    kept = torch.isfinite(report.rmse_after).cpu()
     factor = torch.clamp(clip / norms, max=1.0)
     noise = sent - (per * factor.unsqueeze(1))[kept].sum(0) / len(x)
     jac = _clipped_upload_jacobians(model, x, y, clip)

@@ -186,6 +186,25 @@ def test_per_sample_gradients_match_one_backward_per_sample(after_a_product, pro
     torch.testing.assert_close(op.per_sample_gradients(), loop, rtol=1e-10, atol=1e-12)
 
 
+def test_direct_chunks_take_a_share_of_a_cuda_devices_free_memory(monkeypatch):
+    """On the CPU a chunk holds ⌊min(CACHED_UP_TO, DIRECT_CHUNK_FLOATS)/dθ⌋ samples (a ResNet-18's 11.2 M
+    parameters: 1); on a CUDA device as many as CUDA_CHUNK_SHARE of its free memory holds at
+    DIRECT_FLOATS_PER_PARAMETER floats per sample and parameter, never more than the batch."""
+    from flguard.risk import operator
+    from flguard.risk.operator import direct_sample_chunk
+    resnet18 = 11_173_962
+    assert direct_sample_chunk(resnet18, 32, torch.device("cpu")) == 1
+    assert direct_sample_chunk(272_474, 32, torch.device("cpu")) == 32  # ⌊2^24 / dθ⌋ = 61, capped at B
+    assert direct_sample_chunk(272_474, 100, torch.device("cpu")) == 61
+    free = 16 * 2 ** 30  # a 16 GiB card: 2 GiB for a chunk, 32 bytes per sample and parameter
+    monkeypatch.setattr(operator.torch.cuda, "mem_get_info", lambda device: (free, 2 * free))
+    assert direct_sample_chunk(resnet18, 64, torch.device("cuda")) == 2 ** 31 // (32 * resnet18) == 6
+    assert direct_sample_chunk(resnet18, 4, torch.device("cuda")) == 4
+    assert direct_sample_chunk(resnet18, 64, torch.device("cuda"), element_size=8) == 3
+    free = 2 ** 20  # almost nothing free: the CPU's chunk is the least
+    assert direct_sample_chunk(272_474, 100, torch.device("cuda")) == 61
+
+
 def test_auto_products_go_direct_above_the_size_limit(monkeypatch):
     """"auto" keeps the cached pullbacks while B·dθ ≤ CACHED_UP_TO floats, then goes direct in chunks
     of ⌊min(CACHED_UP_TO, DIRECT_CHUNK_FLOATS)/dθ⌋ samples; both give the dense Jacobian's products."""

@@ -54,9 +54,26 @@ CACHED_UP_TO = 2 ** 26
 #: Direct path: samples per vmapped call, ⌊min(CACHED_UP_TO, DIRECT_CHUNK_FLOATS)/dθ⌋ (a ResNet-18: 1,
 #: a ResNet-20: 61). A chunk holds its samples' double-backward graphs, ~0.2 GB each on a ResNet-18 at
 #: 32×32: the clipped K product at B = 32 peaked at 3.6 GB in chunks of 6 and 2.5 GB in chunks of 1,
-#: in the same time on one CPU thread (benchmarks/bench_operator_products.py --clip). Not measured on a
-#: GPU, where larger chunks may pay.
+#: in the same time on one CPU thread (benchmarks/bench_operator_products.py --clip).
 DIRECT_CHUNK_FLOATS = 2 ** 24
+#: On a CUDA device the direct path's chunks are sized by the device's free memory instead: a GPU wants
+#: few, large kernels (a chunk of one sample is one launch-bound pass per sample), and its memory is the
+#: limit. A chunk may take this share of the free memory at the operator's creation, counting
+#: ``DIRECT_FLOATS_PER_PARAMETER`` floats per sample and parameter (its J_iᵀu and its double-backward
+#: graph: ~0.2 GB per sample on a ResNet-18 at 32×32, 4.5 floats per parameter).
+CUDA_CHUNK_SHARE = 0.125
+DIRECT_FLOATS_PER_PARAMETER = 8
+
+
+def direct_sample_chunk(dtheta: int, batch: int, device: torch.device, element_size: int = 4) -> int:
+    """Samples per vmapped call on the direct path (at least 1, at most the batch): on the CPU
+    ⌊min(CACHED_UP_TO, DIRECT_CHUNK_FLOATS)/dθ⌋; on a CUDA device as many as ``CUDA_CHUNK_SHARE`` of its
+    free memory holds at ``DIRECT_FLOATS_PER_PARAMETER`` floats per sample and parameter."""
+    floats = min(CACHED_UP_TO, DIRECT_CHUNK_FLOATS)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        floats = max(floats, int(CUDA_CHUNK_SHARE * free / (element_size * DIRECT_FLOATS_PER_PARAMETER)))
+    return max(1, min(batch, floats // dtheta))
 
 
 def default_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -159,7 +176,7 @@ class JacobianOperator:
             raise ValueError(f"products={products!r}: choose 'auto', 'cached' or 'direct'")
         self.direct = not self.coupled and (products == "direct" or (
             products == "auto" and self.batch_size * self.dtheta > CACHED_UP_TO))
-        self.sample_chunk = max(1, min(CACHED_UP_TO, DIRECT_CHUNK_FLOATS) // self.dtheta)  # samples per direct call
+        self.sample_chunk = direct_sample_chunk(self.dtheta, self.batch_size, self.device, self.x.element_size())
 
     # -- building blocks -------------------------------------------------------------------
     @property

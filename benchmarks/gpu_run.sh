@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU measurements recorded in docs/results.md ("The guard on a GPU"), in one call on a lent CUDA
+# machine, from the repository root. The machine's python3 holds CUDA torch; the pure dependencies
+# travel as wheels in .whl/ and the offline datasets' decoded cache as .devdata/*.npz.xz (both ignored
+# by git; docs/results.md says how to make them). Each part has its own time limit, so one that
+# overruns leaves the others their time; what comes back: $OUT/log.txt and each part's CSV.
+set -u
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT" /tmp/fc
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+for f in .devdata/*.npz.xz; do xz -dc "$f" > "/tmp/fc/$(basename "$f" .xz)"; done
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLGUARD_CACHE=/tmp/fc
+LOG=$OUT/log.txt
+
+part() {  # part NAME SECONDS CSV-OR-- COMMAND...: run COMMAND under a limit, log it, keep its CSV
+    local name=$1 limit=$2 csv=$3; shift 3
+    echo "== $name ($(date +%T), limit ${limit}s): $*" | tee -a "$LOG"
+    local start=$SECONDS
+    timeout "$limit" "$@" >> "$LOG" 2>&1
+    echo "== $name: rc=$? in $((SECONDS - start)) s" | tee -a "$LOG"
+    [ "$csv" != - ] && [ -f "$csv" ] && cp "$csv" "$OUT/$name.csv"
+}
+
+nvidia-smi -L >> "$LOG" 2>&1
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" >> "$LOG" 2>&1
+part cuda_tests "${LIMIT_TESTS:-90}" - python3 -m pytest -q -p no:cacheprovider tests/test_guard_model.py \
+    tests/test_risk_assess.py -k "cuda or chunk or dense_float64"
+cd benchmarks
+part guard_resnet18 "${LIMIT_R18:-210}" results/bench_guard_models.csv \
+    python3 bench_guard_models.py --device cuda --models resnet18_gn --batch "${R18_BATCH:-32}" --steps "${R18_STEPS:-6}"
+part products_resnet18 "${LIMIT_OPS:-75}" results/bench_operator_products.csv \
+    python3 bench_operator_products.py --device cuda --models resnet18_gn --batch 32 --paths cached,direct,direct-cpu-chunks
+part guard_small "${LIMIT_SMALL:-100}" results/bench_guard_models.csv \
+    python3 bench_guard_models.py --device cuda --models cnn,resnet20_gn --batch 32 --steps 10

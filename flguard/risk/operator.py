@@ -37,6 +37,7 @@ from torch import nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
 import torch.nn.functional as F
 
+from flguard.risk.precision import on_exact_float32
 from flguard.risk.limits import ProductLimit, ProductLimitReached  # noqa: F401  (re-exported: the operator charges them)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -209,6 +210,7 @@ class JacobianOperator:
         return vmap(fn, in_dims=in_dims, chunk_size=self.chunk_size)
 
     # -- the two products ------------------------------------------------------------------
+    @on_exact_float32
     def jt(self, u: torch.Tensor) -> torch.Tensor:
         """J_iᵀ u_i for every sample: u [B, k, dx] → [B, k, dθ]."""
         batch, k = self._check(u, self.dx)
@@ -229,6 +231,7 @@ class JacobianOperator:
             out = self._vmap(lambda t: jvp(self._batch_grad, (self.x,), (t,))[1])(tangents)
             return out.reshape(batch, k, self.dtheta)
 
+    @on_exact_float32
     def jt_sum(self, u: torch.Tensor) -> torch.Tensor:
         """Σ_i J_iᵀu_i, u [B, dx] → [dθ]: the batch's J_iᵀ products summed, as reverse-over-reverse passes
         of the loss — ∇_θ⟨∇_X L(X, θ), U⟩ — with no per-sample vectors in parameter space (the batch's
@@ -275,6 +278,7 @@ class JacobianOperator:
     def _flat_rows(self, tree: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([tree[n].reshape(self.batch_size, -1) for n in self.names], dim=1)
 
+    @on_exact_float32
     def j(self, v: torch.Tensor) -> torch.Tensor:
         """J_i v_i for every sample: v [B, k, dθ] → [B, k, dx]."""
         batch, k = self._check(v, self.dtheta)
@@ -331,6 +335,7 @@ class JacobianOperator:
             each = lambda xi, yi, w, *e: vmap(lambda wj: one(xi, yi, wj, *e), chunk_size=self.chunk_size)(w)  # noqa: E731
             return vmap(each, chunk_size=chunk)(self.x, self.y, vectors, *extra)
 
+    @on_exact_float32
     def direct_j(self, v: torch.Tensor, before: Callable, extra: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
         """J_i(before(v_i, *extra_i)) per sample on the direct path, ``before`` applied inside the vmapped
         call: a shared v (an expanded view, as for the noise) is never copied B times by a wrapper's
@@ -342,6 +347,7 @@ class JacobianOperator:
             return self._j_one(xi, yi, before(vi, *e))
         return self.scale * self._per_sample_products(one, v, *extra)
 
+    @on_exact_float32
     def direct_kmv(self, u: torch.Tensor, between: Callable | None = None,
                    extra: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
         """K_i u_i sample by sample on the direct path: J̃_i(between(J̃_iᵀu_i, *extra_i)) inside one vmapped
@@ -371,6 +377,7 @@ class JacobianOperator:
                     self._per_sample = primal.detach()
         return self._cached_pullback
 
+    @on_exact_float32
     def kmv(self, u: torch.Tensor) -> torch.Tensor:
         """K_i u_i = J_i J_iᵀ u_i, u [B, k, dx] → [B, k, dx] (two applications; fused per sample on the
         direct path, ``direct_kmv``)."""
@@ -395,6 +402,7 @@ class JacobianOperator:
         return sub
 
     # -- gradients -------------------------------------------------------------------------
+    @on_exact_float32
     def per_sample_gradients(self) -> torch.Tensor:
         """Unscaled per-sample gradients ∇_θ ℓ(f(x_i), y_i), [B, dθ] (with the batch's
         normalisation statistics when samples are coupled). Per-sample path: the primal output of
@@ -426,6 +434,7 @@ class JacobianOperator:
             out[start:stop] = vmap(self._sample_grad)(self.x[start:stop], self.y[start:stop]).detach()
         return out
 
+    @on_exact_float32
     def batch_gradient(self) -> torch.Tensor:
         """The shared gradient g = ∇_θ L(X, θ), flat [dθ]."""
         with batchnorm_without_running_stats(self.model):

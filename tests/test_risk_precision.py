@@ -1,0 +1,68 @@
+"""``exact_float32``: no TF32 in the guard's products and solves on a CUDA device, the user's settings
+restored — through PyTorch's legacy flags and through its newer fp32_precision interface."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flguard.risk.precision import exact_float32, ieee_float32
+
+
+def _run(code: str) -> str:
+    """In a fresh interpreter: the TF32 settings are process-wide and the two interfaces cannot be mixed back."""
+    done = subprocess.run([sys.executable, "-c", "import torch\nfrom flguard.risk.precision import ieee_float32\n"
+                           "b = torch.backends\n" + code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_legacy_flags_are_switched_off_inside_and_restored_untouched():
+    inside = _run("with ieee_float32():\n    print(b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32)\n"
+                         "print(b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32, b.cudnn.conv.fp32_precision,"
+                         " b.cuda.matmul.fp32_precision)")
+    values = _run("b.cuda.matmul.allow_tf32 = True\nwith ieee_float32():\n"
+                  "    print(b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32)\n"
+                  "print(b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32, b.cudnn.conv.fp32_precision)")
+    assert values == ["False", "False", "True", "True", "tf32"]
+    # PyTorch's defaults: cuDNN allows TF32, matrix products do not; only the first is touched
+    assert list(inside) == ["False", "False", "True", "False", "tf32", "none"]
+
+
+def test_settings_made_through_fp32_precision_are_switched_through_it():
+    values = _run("b.cudnn.conv.fp32_precision = 'tf32'; b.cudnn.rnn.fp32_precision = 'ieee'\n"
+                  "b.cuda.matmul.fp32_precision = 'tf32'\n"
+                  "try:\n    b.cudnn.allow_tf32\nexcept RuntimeError:\n    print('mixed')\n"
+                  "with ieee_float32():\n    print(b.cudnn.conv.fp32_precision, b.cuda.matmul.fp32_precision)\n"
+                  "print(b.cudnn.conv.fp32_precision, b.cudnn.rnn.fp32_precision, b.cuda.matmul.fp32_precision)")
+    assert values == ["mixed", "ieee", "ieee", "tf32", "ieee", "tf32"]
+
+
+def test_on_a_cpu_nothing_changes():
+    before = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    with exact_float32("cpu"):
+        assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_convolutions_and_products_inside_are_ieee_float32():
+    """A float32 convolution's input gradient and a matrix product inside agree with float64 to 1e-5 of
+    their size; TF32's 10-bit mantissa errs near 1e-3 (printed for the record outside)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 64, 32, 32, device="cuda")
+    w = torch.randn(64, 64, 3, 3, device="cuda") / 24
+    a, m = torch.randn(512, 512, device="cuda"), torch.randn(512, 512, device="cuda")
+
+    def errors() -> tuple[float, float]:
+        conv = torch.nn.functional.conv2d(x, w, padding=1)
+        exact = torch.nn.functional.conv2d(x.double(), w.double(), padding=1)
+        product = a @ m
+        return (float((conv - exact).norm() / exact.norm()),
+                float((product - a.double() @ m.double()).norm() / (a.double() @ m.double()).norm()))
+    with exact_float32("cuda"):
+        conv, product = errors()
+    print("outside (the user's settings):", errors(), "inside:", (conv, product))
+    assert conv < 1e-5 and product < 1e-5, (conv, product)

@@ -26,9 +26,9 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 part cuda_tests "${LIMIT_TESTS:-90}" - python3 -m pytest -q -p no:cacheprovider -s tests/test_guard_model.py tests/test_risk_precision.py \
     tests/test_risk_assess.py -k "cuda or chunk or dense_float64 or float32"
 cd benchmarks
-part guard_resnet18 "${LIMIT_R18:-210}" results/bench_guard_models.csv \
-    python3 bench_guard_models.py --device cuda --models resnet18_gn --batch "${R18_BATCH:-32}" --steps "${R18_STEPS:-6}"
-part products_resnet18 "${LIMIT_OPS:-75}" results/bench_operator_products.csv \
+part guard_resnet18 "${LIMIT_R18:-240}" results/bench_guard_models.csv \
+    python3 bench_guard_models.py --device cuda --models resnet18_gn --batch "${R18_BATCH:-8,32}" --steps "${R18_STEPS:-6}"
+part products_resnet18 "${LIMIT_OPS:-80}" results/bench_operator_products.csv \
     python3 bench_operator_products.py --device cuda --models resnet18_gn --batch 32 --paths cached,direct,direct-cpu-chunks
 part guard_small "${LIMIT_SMALL:-100}" results/bench_guard_models.csv \
     python3 bench_guard_models.py --device cuda --models cnn,resnet20_gn --batch 32 --steps 10

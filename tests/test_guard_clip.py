@@ -103,3 +103,24 @@ def test_clipping_budget_is_relative_to_c_and_a_foreign_gradient_fails_closed():
     assert tight.gradient is None and not tight.report.met and "budget" in tight.report.reason
     foreign = Guard(GuardConfig(min_rmse=TAU, seed=2, clip_per_sample=clip)).protect(model, x, y, 2 * g)
     assert foreign.gradient is None and "clip_per_sample" in foreign.report.reason
+
+
+@pytest.mark.parametrize("setting,quantile,rank", [("median", 0.5, 2), ("quantile", 0.5, 2), ("quantile", 0.75, 3),
+                                                   ("quantile", 0.9, 3), ("quantile", 1.0, 4)])
+def test_the_clip_level_is_the_lower_quantile_of_the_batch_norms(setting, quantile, rank):
+    """C is the ``rank``-th smallest per-sample norm (0-based: ⌊q·(B − 1)⌋ of B = 5): what is sent minus the
+    dense clipped upload at that C is exactly the reported noise."""
+    model, x, y = _problem(batch=5, seed=1)
+    norms = JacobianOperator(model, x, y).per_sample_gradients().norm(dim=1)
+    clip = float(norms.sort().values[rank])
+    g = _upload(model, y, 1e30)(x)
+    out = Guard(GuardConfig(min_rmse=TAU, seed=2, clip_per_sample=setting, clip_quantile=quantile,
+                            max_rel_noise=1e4)).protect(model, x, y, g)
+    assert out.report.met and out.gradient is not None
+    torch.testing.assert_close(out.report.noise_norm, float((out.gradient - _upload(model, y, clip)(x)).norm()))
+
+
+def test_a_clip_quantile_outside_zero_to_one_is_refused_naming_the_field():
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="clip_quantile"):
+            GuardConfig(clip_per_sample="quantile", clip_quantile=bad)

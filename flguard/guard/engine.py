@@ -64,7 +64,7 @@ class Guard:
             op = JacobianOperator(model, x, y, loss_fn, limit=ProductLimit(batch, cfg.max_products, cfg.max_seconds))
             with exact_float32(x.device):  # no TF32 in what the certificate rests on (flguard.risk.precision)
                 if cfg.clip_per_sample is not None:  # the attacker then inverts the clipped upload
-                    op = _clipped(op, flat, clip_level(cfg.clip_per_sample, op))
+                    op = _clipped(op, flat, clip_level(cfg.clip_per_sample, op, cfg.clip_quantile))
                     flat = op.gradient
                     self._clip = op.clip
                 outcome = self._perturber.perturb(op, flat, self._clip, self._generator(x.device))
@@ -133,22 +133,24 @@ def _budget_noise(flat: torch.Tensor, cfg: GuardConfig, generator: torch.Generat
     return z * (noise_budget(flat, cfg, clip) / float(z.norm()))
 
 
-def clip_level(setting: float | str, op: JacobianOperator) -> float:
+def clip_level(setting: float | str, op: JacobianOperator, quantile: float = 0.5) -> float:
     """This step's clipping norm C: ``clip_per_sample`` itself, or for ``"median"`` the median of the
     batch's unscaled per-sample gradient norms ‖g_i‖ (the lower median for an even batch, so C is
-    one sample's norm; that sample is measured unclipped, the derivative of clip_C from below).
+    one sample's norm; that sample is measured unclipped, the derivative of clip_C from below), for
+    ``"quantile"`` their ``quantile`` quantile (the lower one, again a sample's norm; 0.5 is the median).
 
-    ``"median"`` needs no tuning: C and the budget max_rel_noise·C scale with the model's gradients,
-    from one step to the next and from a small CNN to a ResNet, and half the batch is clipped. C is
-    a statistic of the batch; the guard's threat model takes it as known to the attacker (it is
-    part of "everything but sample i"), and each block is measured at that C."""
+    These need no tuning: C and the budget max_rel_noise·C scale with the model's gradients, from one
+    step to the next and from a small CNN to a ResNet; the median clips half the batch, a higher
+    quantile fewer. C is a statistic of the batch; the guard's threat model takes it as known to the
+    attacker (it is part of "everything but sample i"), and each block is measured at that C."""
     if not isinstance(setting, str):
         return float(setting)
     norms = op.per_sample_gradients().norm(dim=1)
-    level = float(norms.median())
+    share = 0.5 if setting == "median" else quantile
+    level = float(torch.quantile(norms.double(), share, interpolation="lower"))
     if not level > 0:
-        raise GuardFailure("clip_per_sample='median': the median per-sample gradient norm is 0 (half the batch has "
-                           "a zero gradient); set a numeric clip_per_sample")
+        raise GuardFailure(f"clip_per_sample={setting!r}: the batch's {share:g} quantile of per-sample gradient "
+                           "norms is 0 (that share of the batch has a zero gradient); set a numeric clip_per_sample")
     return level
 
 

@@ -37,8 +37,8 @@ from torch import nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
 import torch.nn.functional as F
 
-from flguard.risk.precision import on_exact_float32
 from flguard.risk.limits import ProductLimit, ProductLimitReached  # noqa: F401  (re-exported: the operator charges them)
+from flguard.risk.precision import on_exact_float32
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -66,3 +66,13 @@ def test_cuda_convolutions_and_products_inside_are_ieee_float32():
         conv, product = errors()
     print("outside (the user's settings):", errors(), "inside:", (conv, product))
     assert conv < 1e-5 and product < 1e-5, (conv, product)
+
+
+def test_gradient_checks_allow_tf32_only_on_cuda_float32():
+    """The consistency checks' tolerance: the exact one on the CPU and in float64; TF32's on CUDA float32."""
+    from flguard.risk.precision import TF32_GRADIENT_RTOL, gradient_rtol
+    assert gradient_rtol(torch.zeros(3), 1e-4) == 1e-4
+    assert gradient_rtol(torch.zeros(3, dtype=torch.float64), 1e-3) == 1e-3
+    if torch.cuda.is_available():
+        assert gradient_rtol(torch.zeros(3, device="cuda"), 1e-4) == TF32_GRADIENT_RTOL
+        assert gradient_rtol(torch.zeros(3, device="cuda", dtype=torch.float64), 1e-4) == 1e-4

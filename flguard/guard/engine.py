@@ -30,7 +30,7 @@ from flguard.guard.perturb import Perturber
 from flguard.guard.report import GuardOutput, GuardReport
 from flguard.risk.clipped import ClippedJacobian, Jacobian
 from flguard.risk.operator import JacobianOperator, LossFn, ProductLimit
-from flguard.risk.precision import exact_float32
+from flguard.risk.precision import exact_float32, gradient_rtol
 
 __all__ = ["Guard", "GuardFailure", "clip_level"]
 
@@ -161,11 +161,9 @@ def _clipped(op: JacobianOperator, flat: torch.Tensor, clip: float) -> ClippedJa
     reference = clipped.unclipped_gradient.to(flat)
     # float32 sums of B per-sample gradients differ from the batch gradient by rounding relative to the
     # summands, not to their (cancelling) sum: 1.1e-4 of ‖g‖ on an untrained ResNet-18, more once trained.
-    # On a CUDA device ``flat`` may come from TF32 convolutions (PyTorch's default there; the reference is
-    # IEEE float32): more than 1e-3 of the summands in one ResNet-18 step in six on an H200.
+    # On a CUDA device ``flat`` may come from TF32 convolutions (``gradient_rtol``; the reference is IEEE float32).
     # The check only catches a gradient of something else: the clipped sum is what is sent, not ``flat``.
     summands = op.scale * float(clipped.sample_norms.sum())
-    rtol = 1e-2 if flat.is_cuda and flat.dtype == torch.float32 else 1e-3
-    if float((reference - flat).norm()) > rtol * (float(flat.norm()) + summands) + 1e-12:
+    if float((reference - flat).norm()) > gradient_rtol(flat, 1e-3) * (float(flat.norm()) + summands) + 1e-12:
         raise GuardFailure("clip_per_sample: the gradient given is not the batch loss's gradient at (model, x, y)")
     return clipped

@@ -41,9 +41,11 @@ from flguard.guard.config import GuardConfig
 from flguard.guard.model_check import STRUCTURAL, UnsupportedModel, require_supported
 from flguard.guard.report import GuardReport
 from flguard.guard.session import active_session
+from flguard.risk.precision import gradient_rtol
 
 #: ‖.grad − ∇θ criterion(model(x), y)‖ ≤ this × ‖∇θ …‖ (+ a tiny absolute slack) counts as "the same
-#: loss": the recomputation runs the same operations on the same data, so only float reordering differs.
+#: loss": the recomputation runs the same operations on the same data, so only float reordering differs
+#: (for a float32 gradient on a CUDA device, TF32 and cuDNN's choice of algorithm: ``gradient_rtol``).
 GRADIENT_MATCH_RTOL = 1e-4
 
 
@@ -219,7 +221,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         reference = self._recompute(params, x, y)
         sent = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
         gap, scale = float((sent - reference).norm()), float(reference.norm())
-        if not gap <= GRADIENT_MATCH_RTOL * scale + 1e-12 * max(reference.numel(), 1) ** 0.5:
+        if not gap <= gradient_rtol(reference, GRADIENT_MATCH_RTOL) * scale + 1e-12 * max(reference.numel(), 1) ** 0.5:
             raise GuardMisuse(f".grad differs from the gradient of criterion(model(x), y) on the recorded batch "
                               f"(‖difference‖ = {gap:.3g}, ‖gradient‖ = {scale:.3g}): a loss with terms the guard "
                               "cannot see, or gradients accumulated over several batches (a missing "

@@ -59,8 +59,9 @@ def _measure(name: str, batch: int, products: str, device: str, repeats: int, cl
     from flguard.risk.clipped import ClippedJacobian
     from flguard.risk.operator import JacobianOperator
 
+    path = "direct" if products == "direct-cpu-chunks" else products
     if products == "direct-cpu-chunks":  # the direct path in the CPU's chunks on any device (a GPU's baseline)
-        products, operator.CUDA_CHUNK_SHARE = "direct", 0.0
+        operator.CUDA_CHUNK_SHARE = 0.0
     torch.manual_seed(0)
     channels, size = SHAPES[name]
     model = create(name, in_channels=channels, num_classes=10, image_size=size).to(device)
@@ -73,7 +74,7 @@ def _measure(name: str, batch: int, products: str, device: str, repeats: int, cl
 
     train = statistics.median(_timed(train_step, device, repeats + 1)[1:])
     peak_train = _peak(device)
-    op = JacobianOperator(model, x, y, products=products)
+    op = JacobianOperator(model, x, y, products=path)
     if clip:
         op = ClippedJacobian(op, float(op.per_sample_gradients().norm(dim=1).median()))
     u = torch.randn(batch, 1, op.dx, device=device)
@@ -83,7 +84,7 @@ def _measure(name: str, batch: int, products: str, device: str, repeats: int, cl
     v = torch.randn(batch, 1, op.dtheta, device=device)
     times = {kind: statistics.median(_timed(fn, device, repeats)) for kind, fn in
              (("jt", lambda: op.jt(u)), ("j", lambda: op.j(v)))}
-    fresh = JacobianOperator(model, x, y, products=products)
+    fresh = JacobianOperator(model, x, y, products=path)
     grads = _timed(fresh.per_sample_gradients, device, 1)[0]
     inner = getattr(op, "op", op)
     return dict(model=name, params=op.dtheta, B=batch, products=products, clip=clip,
@@ -110,7 +111,6 @@ def main() -> None:
         for batch in (int(b) for b in args.batch.split(",")):
             for products in args.paths.split(","):
                 row = in_child(_measure, name, batch, products, args.device, args.repeats, args.clip)
-                row["products"] = products
                 rows.append(row)
                 print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     _, table = study_paths("bench_operator_products" + ("_clip" if args.clip else ""))

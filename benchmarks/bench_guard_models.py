@@ -99,7 +99,7 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
         config = GuardConfig(pixel_mean=data.mean, pixel_std=data.std, **settings)
         model, optimizer, criterion = make_guarded(model, optimizer, criterion, config)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed + 1))[:steps * batch]
-    seconds, sent, left_out, products, reasons, used = [], 0, 0, [], [], {}
+    seconds, sent, left_out, products, reasons, used, noise = [], 0, 0, [], [], {}, []
     for idx in order.split(batch):
         synchronize(device)
         start = time.perf_counter()
@@ -116,10 +116,14 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
             report = optimizer.guard_reports[-1]
             products.append(report.matvecs)
             left_out += int(report.details.get("excluded", 0)) if report.met else 0
+            if report.met:
+                noise.append((report.rel_noise, report.noise_norm))
             kind = report.details.get("defense_used", config.defense) if report.met else "withheld"
             used[kind] = used.get(kind, 0) + 1
     return dict(ms=1000 * statistics.median(seconds), sent=sent, left_out=left_out,
                 products=statistics.median(products) if products else 0.0, reasons=reasons,
+                rel_noise=statistics.median(n[0] for n in noise) if noise else None,
+                noise_norm=statistics.median(n[1] for n in noise) if noise else None,
                 used=" ".join(f"{kind}:{count}" for kind, count in sorted(used.items())),
                 rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                 gpu_gb=torch.cuda.max_memory_allocated(device) / 2**30 if torch.device(device).type == "cuda" else None,
@@ -151,7 +155,7 @@ def main() -> None:
             row = dict(model=name, guard=" ".join(args.guard) or "defaults", params=plain["params"], B=batch, steps=args.steps, device=args.device,
                        train_ms=plain["ms"], guard_ms=guard["ms"], ratio=guard["ms"] / plain["ms"],
                        products=guard["products"], sent=f"{guard['sent']}/{args.steps}", used=guard["used"],
-                       left_out=guard["left_out"], rss_train_gb=plain["rss_gb"], rss_guard_gb=guard["rss_gb"],
+                       left_out=guard["left_out"], rel_noise=guard["rel_noise"], noise_norm=guard["noise_norm"], rss_train_gb=plain["rss_gb"], rss_guard_gb=guard["rss_gb"],
                        acc_before=plain["acc_before"], acc_train=plain["acc_after"], acc_guard=guard["acc_after"])
             if args.products != "auto":
                 row["products_path"] = args.products

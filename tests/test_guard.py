@@ -105,6 +105,68 @@ def test_auto_goes_straight_to_eigen_after_the_gaussian_needed_far_more_than_the
     assert second.report.matvecs < first.report.matvecs and third.report.matvecs == first.report.matvecs
 
 
+def _theta_norm(model: nn.Module) -> float:
+    return float(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).norm())
+
+
+def test_auto_sends_eigen_where_the_gaussian_would_move_the_parameters_too_far():
+    """With a step size, ``auto`` sends the Gaussian only while step_size·‖noise‖ ≤ AUTO_MAX_MOVE·‖θ‖ (on a
+    guard's first step the root mean square is this step's move): at half
+    the step size that reaches the limit with the same seeded draw, the Gaussian's exact update; at twice it,
+    eigen's noise, meeting the floor under dense recomputation, and the report says why."""
+    from flguard.guard.perturb import AUTO_MAX_MOVE
+
+    model, x, y, jac, g = _problem(3)
+    gauss = Guard(unclipped(defense="gaussian", min_rmse=TAU, seed=3)).protect(model, x, y, g)
+    at_limit = AUTO_MAX_MOVE * _theta_norm(model) / gauss.report.noise_norm  # the step size at which it moves θ by the limit
+    near = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3)).protect(model, x, y, g, step_size=0.5 * at_limit)
+    assert near.report.met and near.report.details["defense_used"] == "gaussian"
+    torch.testing.assert_close(near.gradient, gauss.gradient)
+    far = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3)).protect(model, x, y, g, step_size=2.0 * at_limit)
+    assert far.report.met and far.report.details["defense_used"] == "eigen"
+    assert "would move the parameters by 10.0% of their norm, 10.0% root mean square" in far.report.details["auto_reasons"]
+    assert far.report.noise_norm < gauss.report.noise_norm
+    assert torch.all(_dense_rmse(jac, far.gradient - g, far.report.eps) >= TAU)
+
+
+def test_auto_averages_the_gaussians_moves_in_square_over_recent_steps():
+    """One large move among small ones does not switch ``auto`` to eigen; a run of them does. The exponential
+    average m̄² ← m̄² + (m² − m̄²)/AUTO_MOVE_STEPS, written out for 1%, 1%, 12%, 12% at AUTO_MAX_MOVE 5%."""
+    from flguard.guard.perturb import AUTO_MAX_MOVE, AUTO_MOVE_STEPS, Perturber
+
+    assert (AUTO_MAX_MOVE, AUTO_MOVE_STEPS) == (0.05, 8)
+    perturber = Perturber(unclipped(defense="auto"))
+    assert perturber._moved_too_far(1.0, None) is False and perturber._move_square is None  # no step size
+    decisions, square = [], None
+    for move in (0.01, 0.01, 0.12, 0.12):
+        decisions.append(perturber._moved_too_far(move / 0.5, 0.5))  # ‖noise‖ = move / (step size ÷ ‖θ‖)
+        square = move**2 if square is None else square + (move**2 - square) / 8
+        assert perturber._move_square == pytest.approx(square, rel=1e-12)
+    assert decisions == [False, False, False, True]  # √m̄²: 1%, 1%, 4.35%, 5.87%
+
+
+def test_auto_falls_back_on_the_gaussian_it_moved_too_far_when_eigen_cannot_meet_the_floor(monkeypatch):
+    """The move limit chooses between certified noises; it never withholds a step the Gaussian certified.
+    The next steps try eigen first (AUTO_SKIP_STEPS), then the Gaussian again."""
+    import flguard.guard.perturb as perturb_module
+    from flguard.defenses import DIRECTIONS
+
+    def failing(ctx):
+        raise RuntimeError("eigen failed here")
+
+    monkeypatch.setitem(DIRECTIONS, "eigen", failing)
+    model, x, y, jac, g = _problem(3)
+    guard = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3))
+    first, second = (guard.protect(model, x, y, g, step_size=1e6) for _ in range(2))
+    for out in (first, second):
+        assert out.report.met and out.report.details["defense_used"] == "gaussian"
+        assert torch.all(_dense_rmse(jac, out.gradient - g, out.report.eps) >= TAU)
+        assert "eigen: " in out.report.details["auto_reasons"]
+    assert "gaussian: its noise would move" in first.report.details["auto_reasons"]
+    assert "gaussian: tried last" in second.report.details["auto_reasons"]
+    assert guard._perturber._skip_first == perturb_module.AUTO_SKIP_STEPS  # the second step saw it again
+
+
 def test_seeds_reproduce_and_os_entropy_differs():
     model, x, y, _, g = _problem(2)
     first = Guard(unclipped(defense="eigen", seed=7)).protect(model, x, y, g).gradient

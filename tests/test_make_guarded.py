@@ -202,3 +202,32 @@ def test_per_sample_clipping_and_a_psnr_floor_work_through_the_drop_in():
     assert report.met, report.reason
     applied = theta0 - flat_params(model)
     assert float(applied.norm()) <= 0.5 + report.noise_norm + 1e-9  # ‖clipped mean‖ ≤ C, plus the noise
+
+
+@pytest.mark.parametrize("make_optimizer, step_size, sent", [
+    (lambda params: torch.optim.SGD(params, lr=1e3), 1e3, "eigen"),  # lr × the Gaussian's noise ≫ 5% of ‖θ‖
+    (lambda params: torch.optim.SGD(params, lr=1e-9), 1e-9, "gaussian"),
+    (lambda params: torch.optim.Adam(params, lr=1e3), None, "gaussian"),  # Adam's step is not lr × g: no step size
+])
+def test_auto_judges_the_gaussians_move_by_an_sgd_learning_rate(make_optimizer, step_size, sent):
+    """``make_guarded`` hands ``auto`` the step size of a plain SGD optimizer (its largest lr) and none for
+    others; with a step at which the Gaussian's noise would swamp the weights, eigen's noise is applied, and
+    it meets the floor under dense recomputation (the noise recovered from the parameter change)."""
+    model = tiny_cnn()
+    x, y = batch()
+    theta0 = flat_params(model)
+    reference_model = copy.deepcopy(model)
+    config = CONFIG.model_copy(update={"defense": "auto", "subspace_size": 4, "krylov_steps": 8})
+    model, optimizer, criterion = make_guarded(model, make_optimizer(model.parameters()), nn.CrossEntropyLoss(),
+                                               config)
+    assert optimizer._sgd_step_size() == step_size
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()
+    report = optimizer.guard_reports[-1]
+    assert report.met and report.details["defense_used"] == sent
+    if sent == "eigen":
+        jac, g = dense_jacobians(reference_model, x, y)
+        noise = (theta0 - flat_params(model)) / step_size - g
+        dense = dense_metrics(jac, g, noise, report.eps)["rmse_i2f"]
+        assert torch.all(dense >= 0.2), dense

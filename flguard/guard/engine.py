@@ -52,7 +52,12 @@ class Guard:
         return self._generators[device]
 
     def protect(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, gradient: torch.Tensor,
-                loss_fn: LossFn | None = None) -> GuardOutput:
+                loss_fn: LossFn | None = None, step_size: float | None = None) -> GuardOutput:
+        """``step_size``: the learning rate the update will be applied with, where it is plain SGD's
+        (``make_guarded`` passes it for ``torch.optim.SGD``): ``auto`` then sends the Gaussian only while its
+        noise moves the parameters by at most ``flguard.guard.perturb.AUTO_MAX_MOVE`` of their norm per step
+        in root mean square over the recent steps.
+        It changes which certified noise is sent, never the certificate."""
         start = time.perf_counter()
         cfg = self.config
         batch = int(x.shape[0])
@@ -67,7 +72,8 @@ class Guard:
                     op = _clipped(op, flat, clip_level(cfg.clip_per_sample, op, cfg.clip_quantile))
                     flat = op.gradient
                     self._clip = op.clip
-                outcome = self._perturber.perturb(op, flat, self._clip, self._generator(x.device))
+                outcome = self._perturber.perturb(op, flat, self._clip, self._generator(x.device),
+                                                  move_scale=_move_scale(model, step_size))
         except Exception as error:  # fail closed on anything, with the reason in the report
             reason = dead_network_reason(op, self._generator(x.device)) or failure_reason(error)
             return self._failed(gradient, batch, reason, op, start)
@@ -115,6 +121,16 @@ class Guard:
             report.seconds = time.perf_counter() - start
             return GuardOutput(None, report)
         return self._apply_policy(gradient.reshape(-1) if finite else gradient, gradient, report, start)
+
+
+def _move_scale(model: nn.Module, step_size: float | None) -> float | None:
+    """``step_size`` ÷ ‖θ‖ (trainable parameters): × ‖noise‖, the share of the parameters' norm a step of
+    that noise moves them by (``auto``'s AUTO_MAX_MOVE); None without a positive step size."""
+    if step_size is None or not step_size > 0:
+        return None
+    with torch.no_grad():
+        norm = float(torch.sqrt(sum(p.detach().double().pow(2).sum() for p in model.parameters() if p.requires_grad)))
+    return step_size / norm if norm > 0 else None
 
 
 def _checked_gradient(gradient: torch.Tensor, model: nn.Module) -> torch.Tensor:

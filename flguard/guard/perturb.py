@@ -44,7 +44,8 @@ SKIP_NEGLIGIBLE = True
 
 
 #: ``defense="auto"`` (the default): the calibrated Gaussian first — isotropic noise, one Lanczos run per
-#: sample — and, when it needs more than the budget, noise aimed at the samples' weak directions (eigen),
+#: sample — and, when it needs more than the budget or its noise would randomise the parameters
+#: (AUTO_MAX_MOVE), noise aimed at the samples' weak directions (eigen),
 #: which needs far less of it where the parameters outnumber the inputs: on the trained ResNet-20-GN at
 #: B = 8 the Gaussian needed 54–663 C and sent 0 of 5 steps, eigen 5 of 5 (docs/results.md, "The guard on
 #: the models practitioners train"). Row-space noise (``rowspace``) sends there too at a quarter of eigen's
@@ -52,10 +53,23 @@ SKIP_NEGLIGIBLE = True
 #: so it is an explicit choice, not auto's (docs/results.md, "Row-space noise").
 AUTO_ORDER = ("gaussian", "eigen")
 #: ``auto`` reuses what a step learnt: when its first kind needed more than AUTO_SKIP_FACTOR × the budget,
-#: the next AUTO_SKIP_STEPS steps go straight to the next (the model moves little from one step to the
-#: next; every kind still verifies its own floor, so skipping only saves the first kind's products).
+#: or its moves exceeded AUTO_MAX_MOVE, the next AUTO_SKIP_STEPS steps try the next kind first (the model moves little from one step to the next; every kind still verifies its own floor,
+#: so the order only changes which certified noise is sent and what is spent).
 AUTO_SKIP_FACTOR = 2.0
 AUTO_SKIP_STEPS = 8
+#: ``auto`` with a known step size (``Guard.protect(step_size=…)``: SGD's learning rate, which
+#: ``make_guarded`` and ``guard_step(step_size=…)`` pass) sends the Gaussian only while its noise keeps the
+#: parameters' random walk small: the Gaussian's move per step, m = step_size·‖noise‖/‖θ‖, is averaged in
+#: square over the steps it was computed on (an exponential average over AUTO_MOVE_STEPS steps), and where
+#: that root mean square exceeds AUTO_MAX_MOVE eigen's aimed noise is sent instead (the Gaussian only if
+#: eigen does not meet the floor). Isotropic noise costs little while it stays small beside the weights
+#: and randomises the model once it does not; a single large step does little, a run of them undoes
+#: training. Measured (docs/results.md, "auto from scratch"): on the trained quickstart CNN (lr 0.01) the
+#: Gaussian's moves are heavy-tailed (0.01–5.9% a step, root mean square 1.7% over a 20-step round) and
+#: cost nothing in accuracy; on the CNN trained from scratch (lr 0.1) they are 0.7% at initialisation and
+#: 3–48% from its 40th step on, and the federated round collapses to 10–12% where eigen trains.
+AUTO_MAX_MOVE = 0.05
+AUTO_MOVE_STEPS = 8
 
 
 class Perturber:
@@ -65,15 +79,17 @@ class Perturber:
     def __init__(self, config: GuardConfig) -> None:
         self.config = config
         self._skip_first = 0  # auto: steps left that skip AUTO_ORDER's first kind (AUTO_SKIP_STEPS)
+        self._move_square: float | None = None  # auto: the Gaussian's mean square move (AUTO_MAX_MOVE)
 
     def perturb(self, op: Jacobian, flat: torch.Tensor, clip: float | None, generator: torch.Generator,
-                kind: str | None = None) -> Outcome:
+                kind: str | None = None, move_scale: float | None = None) -> Outcome:
         """The configured defense's outcome on this step (``kind``: the threshold defense to apply
-        instead, for ``auto``)."""
+        instead, for ``auto``; ``move_scale``: step size ÷ ‖θ‖, which turns ‖noise‖ into the share of
+        the parameters' norm it moves them by, for auto's AUTO_MAX_MOVE)."""
         cfg = self.config
         kind = kind or cfg.defense
         if kind == "auto":
-            return self._auto(op, flat, clip, generator)
+            return self._auto(op, flat, clip, generator, move_scale)
         eigen = kind == "eigen"
         one_run = kind in ONE_RUN_KINDS and LANCZOS_SOLVE and cfg.floor > 0
         if kind in THRESHOLD_DEFENSES and not one_run:  # the one-run solve skips them itself
@@ -151,17 +167,19 @@ class Perturber:
                        kept if outcome.update is None else outcome.update,
                        None if outcome.rmse_error is None else full(outcome.rmse_error, 0.0))
 
-    def _auto(self, op: Jacobian, flat: torch.Tensor, clip: float | None,
-              generator: torch.Generator) -> Outcome:
+    def _auto(self, op: Jacobian, flat: torch.Tensor, clip: float | None, generator: torch.Generator,
+              move_scale: float | None) -> Outcome:
         """``auto``: each of AUTO_ORDER in turn on the same operator (its products count against the
-        same step limit) until one meets the floor within the budget; the last one's outcome otherwise.
-        The report's details name the one that was sent (``defense_used``)."""
-        reasons, order = [], AUTO_ORDER
+        same step limit) until one meets the floor within the budget — the first, isotropic kind only
+        while its moves stay within AUTO_MAX_MOVE (``_moved_too_far``), else kept as the fallback; the
+        last one's outcome when none met. The report's details name the one that was sent
+        (``defense_used``) and why the others were not (``auto_reasons``)."""
+        reasons, order, fallback, outcome = [], AUTO_ORDER, None, None
         if self._skip_first > 0:
             self._skip_first -= 1
-            order = AUTO_ORDER[1:]
-            reasons.append(f"{AUTO_ORDER[0]}: skipped (it needed over {AUTO_SKIP_FACTOR:g}× the budget within the last "
-                           f"{AUTO_SKIP_STEPS} steps)")
+            order = AUTO_ORDER[1:] + AUTO_ORDER[:1]
+            reasons.append(f"{AUTO_ORDER[0]}: tried last (within the last {AUTO_SKIP_STEPS} steps it needed over "
+                           f"{AUTO_SKIP_FACTOR:g}× the budget or its moves exceeded {AUTO_MAX_MOVE:.0%})")
         for kind in order:
             try:
                 outcome = self.perturb(op, flat, clip, generator, kind)
@@ -170,15 +188,43 @@ class Perturber:
                 reasons.append(f"{kind}: {failure_reason(failure)}")
                 continue
             outcome.info["defense_used"] = kind
+            noise = float(outcome.noise.norm())
+            far = kind == AUTO_ORDER[0] and outcome.met and self._moved_too_far(noise, move_scale)
+            if outcome.met and not far:
+                return _noted(outcome, reasons)
             if outcome.met:
-                return outcome
-            reasons.append(f"{kind}: {outcome.reason}")
-            if kind == AUTO_ORDER[0] and float(outcome.noise.norm()) > AUTO_SKIP_FACTOR * noise_budget(flat, self.config, clip):
+                fallback = outcome
+                reasons.append(f"{kind}: its noise would move the parameters by {noise * move_scale:.1%} of their norm, "
+                               f"{self._move_square ** 0.5:.1%} root mean square over the recent steps (over "
+                               f"{AUTO_MAX_MOVE:.0%})")
+            else:
+                reasons.append(f"{kind}: {outcome.reason}")
+            if kind == AUTO_ORDER[0] and (far or noise > AUTO_SKIP_FACTOR * noise_budget(flat, self.config, clip)):
                 self._skip_first = AUTO_SKIP_STEPS
+        if fallback is not None:
+            return _noted(fallback, reasons)
         if outcome is None:
             raise GuardFailure("; ".join(reasons))
         outcome.reason = "; ".join(reasons)
         return outcome
+
+    def _moved_too_far(self, noise: float, move_scale: float | None) -> bool:
+        """Whether the Gaussian's moves, this one (``noise`` × ``move_scale``) included, exceed AUTO_MAX_MOVE
+        in root mean square over the recent steps (an exponential average over AUTO_MOVE_STEPS); False
+        without a step size."""
+        if move_scale is None:
+            return False
+        square = (noise * move_scale) ** 2
+        previous = self._move_square
+        self._move_square = square if previous is None else previous + (square - previous) / AUTO_MOVE_STEPS
+        return self._move_square ** 0.5 > AUTO_MAX_MOVE
+
+
+def _noted(outcome: Outcome, reasons: list[str]) -> Outcome:
+    """``auto``'s met outcome, with why the kinds before it were not sent (``auto_reasons``)."""
+    if reasons:
+        outcome.info["auto_reasons"] = "; ".join(reasons)
+    return outcome
 
 
 def _left_out_unsolved(op: Jacobian, cfg: GuardConfig) -> torch.Tensor | None:

@@ -228,7 +228,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
                               "optimizer.zero_grad()); the guard must measure the exact loss that is sent")
         self._recorder.paused = True
         try:
-            out = guard.protect(self._model, x, y, reference, loss_fn=self._criterion)
+            out = guard.protect(self._model, x, y, reference, loss_fn=self._criterion, step_size=self._sgd_step_size())
         finally:
             self._recorder.paused = False
         self.guard_reports.append(out.report)
@@ -240,6 +240,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
             failure.report = out.report  # type: ignore[attr-defined]
             raise failure
         return out.gradient.reshape(-1)
+
+    def _sgd_step_size(self) -> float | None:
+        """The largest learning rate of a ``torch.optim.SGD`` (``Guard.protect``'s ``step_size``: ``auto``
+        judges how far its noise moves the parameters); None for other optimizers, whose step is not
+        lr × the gradient (Adam's is normalised per coordinate)."""
+        if not isinstance(self.original_optimizer, torch.optim.SGD):
+            return None
+        return max(float(group["lr"]) for group in self.param_groups)
 
     def _active_guard(self) -> Guard:
         if self._guard is not None:

@@ -228,7 +228,7 @@ def local_sgd(model: nn.Module, data: ImageDataset, *, lr: float, steps: int, ba
         grads = torch.autograd.grad(loss, params)
         norms.append(float(torch.sqrt(sum(g.detach().pow(2).sum() for g in grads))))
         guard_start = time.perf_counter()
-        grads = guard_step(model, x, y, grads)  # identity without guard_mod
+        grads = guard_step(model, x, y, grads, step_size=lr)  # identity without guard_mod
         guard_time += time.perf_counter() - guard_start
         with torch.no_grad():
             for p, g in zip(params, grads):

@@ -53,11 +53,13 @@ class Guard:
 
     def protect(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, gradient: torch.Tensor,
                 loss_fn: LossFn | None = None, step_size: float | None = None) -> GuardOutput:
-        """``step_size``: the learning rate the update will be applied with, where it is plain SGD's
-        (``make_guarded`` passes it for ``torch.optim.SGD``): ``auto`` then sends the Gaussian only while its
-        noise moves the parameters by at most ``flguard.guard.perturb.AUTO_MAX_MOVE`` of their norm per step
-        in root mean square over the recent steps.
-        It changes which certified noise is sent, never the certificate."""
+        """The gradient to upload for the batch ``(x, y)`` — perturbed to the floor, or None — and its
+        report (module doc). ``gradient``: the flat gradient of the trainable parameters; ``loss_fn``: the
+        loss it is the gradient of (mean cross-entropy by default). ``step_size``: the learning rate of a
+        plain SGD step that will apply the update (``make_guarded`` passes it for ``torch.optim.SGD``):
+        ``auto`` then sends the Gaussian only while its noise moves the parameters by at most
+        ``flguard.guard.perturb.AUTO_MAX_MOVE`` of their norm per step, in root mean square over the
+        recent steps. It changes which certified noise is sent, never the certificate."""
         start = time.perf_counter()
         cfg = self.config
         batch = int(x.shape[0])

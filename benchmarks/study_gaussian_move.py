@@ -1,0 +1,109 @@
+"""How far the calibrated Gaussian's noise moves the parameters per step: trained vs from scratch.
+
+``auto``'s choice between the Gaussian and eigen (``flguard.guard.perturb.AUTO_MAX_MOVE``) rests on one
+quantity: the move a step of the Gaussian's noise makes, m = lr·‖noise‖/‖θ‖, as a share of the
+parameters' norm. This study prints it per guarded step, ``defense="gaussian"`` with the data's
+normalisation only (every other setting the default), in the two regimes the defaults must serve:
+
+- ``trained``: ``bench_guard_models``' quickstart CNN trained 150 steps, then its 20-step round at
+  B = 32, lr 0.01 (the round where the Gaussian is sent and costs nothing in accuracy);
+- ``scratch-N``: the quickstart CNN from PyTorch's initialisation (the frontier's model), N unguarded
+  SGD steps at B = 16, lr 0.1 (the frontier's client step), then 12 guarded steps at that lr.
+
+Each row: the setting, the guarded step, ‖θ‖, the Gaussian's ‖noise‖ ÷ ‖g‖ and its move m; the summary
+prints each setting's median, largest and root-mean-square move, and the largest exponential running
+root mean square over AUTO_MOVE_STEPS steps (what ``auto`` compares with AUTO_MAX_MOVE).
+
+    cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python study_gaussian_move.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from _common import study_paths, write_table
+from bench_guard_models import _task
+
+
+def _moves(setting: str, model, batches, lr: float, data) -> list[dict]:
+    """Guard each batch with the Gaussian and apply the guarded SGD step; one row per step."""
+    from flguard import GuardConfig, GuardFailure, make_guarded
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    model, optimizer, criterion = make_guarded(model, optimizer, torch.nn.CrossEntropyLoss(),
+                                               GuardConfig(defense="gaussian", pixel_mean=data.mean, pixel_std=data.std))
+    rows = []
+    for step, (x, y) in enumerate(batches):
+        theta = float(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).norm())
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        try:
+            optimizer.step()
+        except GuardFailure:
+            rows.append(dict(setting=setting, step=step, theta=theta, rel_noise=None, move=None))
+            continue
+        report = optimizer.guard_reports[-1]
+        rows.append(dict(setting=setting, step=step, theta=theta, rel_noise=report.rel_noise,
+                         move=lr * report.noise_norm / theta))
+    return rows
+
+
+def _scratch(pre_steps: int, guarded_steps: int = 12) -> list[dict]:
+    from flguard.data import load
+    from flguard.models import create
+
+    torch.manual_seed(1)
+    data = load("mnist5k")
+    model = create("cnn", in_channels=1, num_classes=10, image_size=28)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
+    batch = lambda i: (data.normalize(data.images[order[i % 4000:i % 4000 + 16]]), data.labels[order[i % 4000:i % 4000 + 16]])  # noqa: E731
+    params = list(model.parameters())
+    for step in range(pre_steps):
+        x, y = batch(16 * step)
+        grads = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.sub_(0.1 * g)
+    return _moves(f"scratch-{pre_steps}", model, [batch(16 * (pre_steps + s)) for s in range(guarded_steps)], 0.1, data)
+
+
+def _trained(steps: int = 20) -> list[dict]:
+    model, (x, y), _, data = _task("cnn", 150, "cpu", 0)
+    model.train()
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(1))[:steps * 32]
+    return _moves("trained", model, [(x[idx], y[idx]) for idx in order.split(32)], 0.01, data)
+
+
+def _running_rms(moves: list[float], steps: int) -> float:
+    """The largest exponential running root mean square (``flguard.guard.perturb.Perturber._moved_too_far``)."""
+    square, largest = None, 0.0
+    for m in moves:
+        square = m * m if square is None else square + (m * m - square) / steps
+        largest = max(largest, square ** 0.5)
+    return largest
+
+
+def main() -> None:
+    from flguard.guard.perturb import AUTO_MAX_MOVE, AUTO_MOVE_STEPS
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scratch", type=int, nargs="*", default=[0, 40, 150, 400],
+                        help="unguarded steps before the guarded ones, from initialisation")
+    args = parser.parse_args()
+    rows = _trained() + [row for pre in args.scratch for row in _scratch(pre)]
+    summary = []
+    for setting in dict.fromkeys(row["setting"] for row in rows):
+        moves = [row["move"] for row in rows if row["setting"] == setting and row["move"] is not None]
+        summary.append(dict(setting=setting, steps=len(moves), median=statistics.median(moves), largest=max(moves),
+                            rms=(sum(m * m for m in moves) / len(moves)) ** 0.5,
+                            running_rms_max=_running_rms(moves, AUTO_MOVE_STEPS), auto_limit=AUTO_MAX_MOVE))
+    _, path = study_paths("study_gaussian_move")
+    write_table(rows, path)
+    print(write_table(summary, path.with_name("study_gaussian_move_summary.csv")))
+
+
+if __name__ == "__main__":
+    main()

@@ -208,6 +208,7 @@ def test_per_sample_clipping_and_a_psnr_floor_work_through_the_drop_in():
     (lambda params: torch.optim.SGD(params, lr=1e3), 1e3, "eigen"),  # lr × the Gaussian's noise ≫ 5% of ‖θ‖
     (lambda params: torch.optim.SGD(params, lr=1e-9), 1e-9, "gaussian"),
     (lambda params: torch.optim.Adam(params, lr=1e3), None, "gaussian"),  # Adam's step is not lr × g: no step size
+    (lambda params: torch.optim.SGD(params, lr=1e-9, momentum=0.9), 1e-9 / 0.19 ** 0.5, "gaussian"),  # √(1 − 0.9²)
 ])
 def test_auto_judges_the_gaussians_move_by_an_sgd_learning_rate(make_optimizer, step_size, sent):
     """``make_guarded`` hands ``auto`` the step size of a plain SGD optimizer (its largest lr) and none for
@@ -220,13 +221,13 @@ def test_auto_judges_the_gaussians_move_by_an_sgd_learning_rate(make_optimizer, 
     config = CONFIG.model_copy(update={"defense": "auto", "subspace_size": 4, "krylov_steps": 8})
     model, optimizer, criterion = make_guarded(model, make_optimizer(model.parameters()), nn.CrossEntropyLoss(),
                                                config)
-    assert optimizer._sgd_step_size() == step_size
+    assert optimizer._sgd_step_size() == (None if step_size is None else pytest.approx(step_size, rel=1e-12))
     optimizer.zero_grad()
     criterion(model(x), y).backward()
     optimizer.step()
     report = optimizer.guard_reports[-1]
     assert report.met and report.details["defense_used"] == sent
-    if sent == "eigen":
+    if sent == "eigen":  # plain SGD: the parameters moved by lr × (g + noise)
         jac, g = dense_jacobians(reference_model, x, y)
         noise = (theta0 - flat_params(model)) / step_size - g
         dense = dense_metrics(jac, g, noise, report.eps)["rmse_i2f"]

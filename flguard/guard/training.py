@@ -242,12 +242,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return out.gradient.reshape(-1)
 
     def _sgd_step_size(self) -> float | None:
-        """The largest learning rate of a ``torch.optim.SGD`` (``Guard.protect``'s ``step_size``: ``auto``
-        judges how far its noise moves the parameters); None for other optimizers, whose step is not
-        lr × the gradient (Adam's is normalised per coordinate)."""
+        """``Guard.protect``'s ``step_size`` for a ``torch.optim.SGD`` (``auto`` judges how far its noise moves
+        the parameters): the largest over the groups of lr·(1 − dampening)/√(1 − momentum²) — with momentum μ
+        independent noise reaches the parameters through v ← μv + (1 − dampening)·g, whose root mean square
+        is 1/√(1 − μ²) times one step's (2.3× at μ = 0.9). None for other optimizers, whose step is not lr × the
+        gradient (Adam's is normalised per coordinate)."""
         if not isinstance(self.original_optimizer, torch.optim.SGD):
             return None
-        return max(float(group["lr"]) for group in self.param_groups)
+        return max(float(group["lr"]) * (1.0 - float(group.get("dampening", 0.0)))
+                   / (1.0 - float(group.get("momentum", 0.0)) ** 2) ** 0.5 for group in self.param_groups)
 
     def _active_guard(self) -> Guard:
         if self._guard is not None:

@@ -360,3 +360,37 @@ def test_the_uploaded_arrays_meet_the_floor_under_an_independent_dense_i2f(defen
     shift = torch.linalg.solve(kernel + eps.view(-1, 1, 1) * eye, (jac @ delta).unsqueeze(-1)).squeeze(-1)
     rmse = shift.norm(dim=1) / jac.shape[1] ** 0.5
     assert bool((rmse >= tau).all()), rmse
+
+
+def _step_size_app(step_size: float) -> ClientApp:
+    """``auto`` under the mod, with the handler's SGD step size handed to ``guard_step``."""
+    from flwr.app import ArrayRecord, MetricRecord
+
+    app = ClientApp(mods=[guard_mod(unclipped(defense="auto", min_rmse=0.05, seed=0, subspace_size=2, krylov_steps=4))])
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        model = _ScalarAndIntegerModel()
+        x, y = torch.randn(2, 6, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 2])
+        params = list(model.parameters())
+        grads = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)
+        grads = guard_step(model, x, y, grads, step_size=step_size)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.sub_(step_size * g)
+        return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
+                                   "metrics": MetricRecord({"num-examples": 2})}), reply_to=message)
+
+    return app
+
+
+def test_guard_step_hands_the_step_size_to_auto():
+    """With a step at which the Gaussian's noise would swamp the weights, ``auto`` sends eigen's aimed noise,
+    which needs less of it: the reply's noise norm drops, and both replies meet the floor."""
+    replies = [_step_size_app(step)(_message(MessageType.TRAIN, task.make_model(SETTINGS)), _context())
+               for step in (1e-9, 1e6)]
+    for reply in replies:
+        assert not reply.has_error(), reply.error if reply.has_error() else None
+        assert reply.content.metric_records["metrics"]["guard_met"] == 1.0
+    small, large = (reply.content.metric_records["metrics"]["guard_noise_norm"] for reply in replies)
+    assert large < 0.9 * small, (small, large)

@@ -5,8 +5,8 @@ quantity: the move a step of the Gaussian's noise makes, m = lr·‖noise‖/‖
 parameters' norm. This study prints it per guarded step, ``defense="gaussian"`` with the data's
 normalisation only (every other setting the default), in the two regimes the defaults must serve:
 
-- ``trained``: ``bench_guard_models``' quickstart CNN trained 150 steps, then its 20-step round at
-  B = 32, lr 0.01 (the round where the Gaussian is sent and costs nothing in accuracy);
+- ``trained-<model>``: ``bench_guard_models``' model trained 150 steps (the quickstart CNN by default,
+  ``--trained resnet20_gn`` for the ResNet-20-GN on photos32), then its round at B = 32, lr 0.01;
 - ``scratch-N``: the quickstart CNN from PyTorch's initialisation (the frontier's model), N unguarded
   SGD steps at B = 16, lr 0.1 (the frontier's client step), then 12 guarded steps at that lr.
 
@@ -15,6 +15,8 @@ prints each setting's median, largest and root-mean-square move, and the largest
 root mean square over AUTO_MOVE_STEPS steps (what ``auto`` compares with AUTO_MAX_MOVE).
 
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python study_gaussian_move.py
+    cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python study_gaussian_move.py --trained resnet20_gn \
+        --trained-steps 10 --scratch                                       # the ResNet-20-GN's round only
 """
 
 from __future__ import annotations
@@ -70,11 +72,12 @@ def _scratch(pre_steps: int, guarded_steps: int = 12) -> list[dict]:
     return _moves(f"scratch-{pre_steps}", model, [batch(16 * (pre_steps + s)) for s in range(guarded_steps)], 0.1, data)
 
 
-def _trained(steps: int = 20) -> list[dict]:
-    model, (x, y), _, data = _task("cnn", 150, "cpu", 0)
+def _trained(name: str, steps: int) -> list[dict]:
+    """``bench_guard_models``' round: the model trained 150 steps, then ``steps`` steps at B = 32, lr 0.01."""
+    model, (x, y), _, data = _task(name, 150, "cpu", 0)
     model.train()
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(1))[:steps * 32]
-    return _moves("trained", model, [(x[idx], y[idx]) for idx in order.split(32)], 0.01, data)
+    return _moves(f"trained-{name}", model, [(x[idx], y[idx]) for idx in order.split(32)], 0.01, data)
 
 
 def _running_rms(moves: list[float], steps: int) -> float:
@@ -92,8 +95,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scratch", type=int, nargs="*", default=[0, 40, 150, 400],
                         help="unguarded steps before the guarded ones, from initialisation")
+    parser.add_argument("--trained", nargs="*", default=["cnn"], help="bench_guard_models' trained models (cnn, resnet20_gn)")
+    parser.add_argument("--trained-steps", type=int, default=20, help="guarded steps of each trained model's round")
     args = parser.parse_args()
-    rows = _trained() + [row for pre in args.scratch for row in _scratch(pre)]
+    rows = [row for name in args.trained for row in _trained(name, args.trained_steps)]
+    rows += [row for pre in args.scratch for row in _scratch(pre)]
     summary = []
     for setting in dict.fromkeys(row["setting"] for row in rows):
         moves = [row["move"] for row in rows if row["setting"] == setting and row["move"] is not None]

@@ -124,25 +124,25 @@ def test_auto_sends_eigen_where_the_gaussian_would_move_the_parameters_too_far()
     torch.testing.assert_close(near.gradient, gauss.gradient)
     far = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3)).protect(model, x, y, g, step_size=2.0 * at_limit)
     assert far.report.met and far.report.details["defense_used"] == "eigen"
-    assert "would move the parameters by 10.0% of their norm, 10.0% root mean square" in far.report.details["auto_reasons"]
+    assert "would move the parameters by 20.0% of their norm, 20.0% root mean square" in far.report.details["auto_reasons"]
     assert far.report.noise_norm < gauss.report.noise_norm
     assert torch.all(_dense_rmse(jac, far.gradient - g, far.report.eps) >= TAU)
 
 
 def test_auto_averages_the_gaussians_moves_in_square_over_recent_steps():
     """One large move among small ones does not switch ``auto`` to eigen; a run of them does. The exponential
-    average m̄² ← m̄² + (m² − m̄²)/AUTO_MOVE_STEPS, written out for 1%, 1%, 12%, 12% at AUTO_MAX_MOVE 5%."""
+    average m̄² ← m̄² + (m² − m̄²)/AUTO_MOVE_STEPS, written out for 2%, 2%, 24%, 24% at AUTO_MAX_MOVE 10%."""
     from flguard.guard.perturb import AUTO_MAX_MOVE, AUTO_MOVE_STEPS, Perturber
 
-    assert (AUTO_MAX_MOVE, AUTO_MOVE_STEPS) == (0.05, 8)
+    assert (AUTO_MAX_MOVE, AUTO_MOVE_STEPS) == (0.10, 8)
     perturber = Perturber(unclipped(defense="auto"))
     assert perturber._moved_too_far(1.0, None) is False and perturber._move_square is None  # no step size
     decisions, square = [], None
-    for move in (0.01, 0.01, 0.12, 0.12):
+    for move in (0.02, 0.02, 0.24, 0.24):
         decisions.append(perturber._moved_too_far(move / 0.5, 0.5))  # ‖noise‖ = move / (step size ÷ ‖θ‖)
         square = move**2 if square is None else square + (move**2 - square) / 8
         assert perturber._move_square == pytest.approx(square, rel=1e-12)
-    assert decisions == [False, False, False, True]  # √m̄²: 1%, 1%, 4.35%, 5.87%
+    assert decisions == [False, False, False, True]  # √m̄²: 2%, 2%, 8.7%, 11.7%
 
 
 def test_auto_falls_back_on_the_gaussian_it_moved_too_far_when_eigen_cannot_meet_the_floor(monkeypatch):

@@ -205,7 +205,7 @@ def test_per_sample_clipping_and_a_psnr_floor_work_through_the_drop_in():
 
 
 @pytest.mark.parametrize("make_optimizer, step_size, sent", [
-    (lambda params: torch.optim.SGD(params, lr=1e3), 1e3, "eigen"),  # lr × the Gaussian's noise ≫ 5% of ‖θ‖
+    (lambda params: torch.optim.SGD(params, lr=1e3), 1e3, "eigen"),  # lr × the Gaussian's noise ≫ 10% of ‖θ‖
     (lambda params: torch.optim.SGD(params, lr=1e-9), 1e-9, "gaussian"),
     (lambda params: torch.optim.Adam(params, lr=1e3), None, "gaussian"),  # Adam's step is not lr × g: no step size
     (lambda params: torch.optim.SGD(params, lr=1e-9, momentum=0.9), 1e-9 / 0.19 ** 0.5, "gaussian"),  # √(1 − 0.9²)

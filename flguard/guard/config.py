@@ -371,7 +371,7 @@ class EigenGuardConfig(ThresholdGuardConfig):
 class AutoGuardConfig(EigenGuardConfig):
     """``auto`` (the default): the calibrated Gaussian, and eigen's aimed noise (its fields) on a step
     where the Gaussian would need more than the budget, or — with SGD's learning rate known (``make_guarded``,
-    ``guard_step(step_size=…)``) — whose noise would move the parameters by more than 5% of their norm
+    ``guard_step(step_size=…)``) — whose noise would move the parameters by more than 10% of their norm
     per step in root mean square over the recent steps
     (``flguard.guard.perturb.AUTO_ORDER``, ``AUTO_MAX_MOVE``)."""
 

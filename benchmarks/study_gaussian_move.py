@@ -61,7 +61,12 @@ def _scratch(pre_steps: int, guarded_steps: int = 12) -> list[dict]:
     data = load("mnist5k")
     model = create("cnn", in_channels=1, num_classes=10, image_size=28)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
-    batch = lambda i: (data.normalize(data.images[order[i % 4000:i % 4000 + 16]]), data.labels[order[i % 4000:i % 4000 + 16]])  # noqa: E731
+
+    def batch(start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """16 samples of one fixed permutation from ``start`` (mod 4,000), as a shuffled loader gives them."""
+        idx = order[start % 4000:start % 4000 + 16]
+        return data.normalize(data.images[idx]), data.labels[idx]
+
     params = list(model.parameters())
     for step in range(pre_steps):
         x, y = batch(16 * step)

@@ -45,16 +45,17 @@ SKIP_NEGLIGIBLE = True
 
 #: ``defense="auto"`` (the default): the calibrated Gaussian first — isotropic noise, one Lanczos run per
 #: sample — and, when it needs more than the budget or its noise would randomise the parameters
-#: (AUTO_MAX_MOVE), noise aimed at the samples' weak directions (eigen),
-#: which needs far less of it where the parameters outnumber the inputs: on the trained ResNet-20-GN at
+#: (AUTO_MAX_MOVE), noise aimed at the samples' weak directions (eigen), which needs far less of it where
+#: the parameters outnumber the inputs: on the trained ResNet-20-GN at
 #: B = 8 the Gaussian needed 54–663 C and sent 0 of 5 steps, eigen 5 of 5 (docs/results.md, "The guard on
 #: the models practitioners train"). Row-space noise (``rowspace``) sends there too at a quarter of eigen's
 #: products, but a 5-step round on that ResNet ended at 49% accuracy against eigen's 62% (unguarded 67.5%),
 #: so it is an explicit choice, not auto's (docs/results.md, "Row-space noise").
 AUTO_ORDER = ("gaussian", "eigen")
 #: ``auto`` reuses what a step learnt: when its first kind needed more than AUTO_SKIP_FACTOR × the budget,
-#: or its moves exceeded AUTO_MAX_MOVE, the next AUTO_SKIP_STEPS steps try the next kind first (the model moves little from one step to the next; every kind still verifies its own floor,
-#: so the order only changes which certified noise is sent and what is spent).
+#: or its moves exceeded AUTO_MAX_MOVE, the next AUTO_SKIP_STEPS steps try the next kind first (the model
+#: moves little from one step to the next; every kind still verifies its own floor, so the order only
+#: changes which certified noise is sent and what is spent).
 AUTO_SKIP_FACTOR = 2.0
 AUTO_SKIP_STEPS = 8
 #: ``auto`` with a known step size (``Guard.protect(step_size=…)``: SGD's learning rate, which
@@ -77,7 +78,8 @@ AUTO_MOVE_STEPS = 8
 
 class Perturber:
     """The guard's defense on one step after another; ``auto`` remembers across steps when its first
-    kind was far over budget (AUTO_SKIP_STEPS)."""
+    kind was far over budget or moved the parameters too far (AUTO_SKIP_STEPS), and the Gaussian's recent
+    moves (AUTO_MAX_MOVE)."""
 
     def __init__(self, config: GuardConfig) -> None:
         self.config = config

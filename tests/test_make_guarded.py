@@ -209,6 +209,7 @@ def test_per_sample_clipping_and_a_psnr_floor_work_through_the_drop_in():
     (lambda params: torch.optim.SGD(params, lr=1e-9), 1e-9, "gaussian"),
     (lambda params: torch.optim.Adam(params, lr=1e3), None, "gaussian"),  # Adam's step is not lr × g: no step size
     (lambda params: torch.optim.SGD(params, lr=1e-9, momentum=0.9), 1e-9 / 0.19 ** 0.5, "gaussian"),  # √(1 − 0.9²)
+    (lambda params: torch.optim.SGD(params, lr=1e3, momentum=1.0), None, "gaussian"),  # no stationary RMS: no move
 ])
 def test_auto_judges_the_gaussians_move_by_an_sgd_learning_rate(make_optimizer, step_size, sent):
     """``make_guarded`` hands ``auto`` the step size of a plain SGD optimizer (its largest lr) and none for

@@ -247,10 +247,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
         independent noise reaches the parameters through v ← μv + (1 − dampening)·g, whose root mean square
         is 1/√(1 − μ²) times one step's (2.3× at μ = 0.9). None for other optimizers, whose step is not lr × the
         gradient (Adam's is normalised per coordinate)."""
-        if not isinstance(self.original_optimizer, torch.optim.SGD):
-            return None
-        return max(float(group["lr"]) * (1.0 - float(group.get("dampening", 0.0)))
-                   / (1.0 - float(group.get("momentum", 0.0)) ** 2) ** 0.5 for group in self.param_groups)
+        momenta = [float(group.get("momentum", 0.0)) for group in self.param_groups]
+        if not isinstance(self.original_optimizer, torch.optim.SGD) or max(momenta) >= 1.0:
+            return None  # (momentum ≥ 1 has no stationary root mean square: no move to judge)
+        return max(float(group["lr"]) * (1.0 - float(group.get("dampening", 0.0))) / (1.0 - mu**2) ** 0.5
+                   for group, mu in zip(self.param_groups, momenta))
 
     def _active_guard(self) -> Guard:
         if self._guard is not None:

@@ -185,10 +185,13 @@ class _ScalarAndIntegerModel(torch.nn.Module):
         return self.scale * self.fc(x.flatten(1))
 
 
-def _scalar_app(zero_gradient: bool) -> ClientApp:
+def _scalar_app(zero_gradient: bool = False, config: GuardConfig | None = None,
+                step_size: float | None = None) -> ClientApp:
+    """A one-step handler on ``_ScalarAndIntegerModel`` under ``guard_mod`` (the Gaussian by default);
+    ``step_size``: handed to ``guard_step`` and used for the step (else 0.1, not handed over)."""
     from flwr.app import ArrayRecord, MetricRecord
 
-    app = ClientApp(mods=[guard_mod(unclipped(defense="gaussian", min_rmse=0.05, seed=0))])
+    app = ClientApp(mods=[guard_mod(config or unclipped(defense="gaussian", min_rmse=0.05, seed=0))])
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
@@ -198,10 +201,10 @@ def _scalar_app(zero_gradient: bool) -> ClientApp:
         grads = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)
         if zero_gradient:
             grads = [torch.zeros_like(g) for g in grads]
-        grads = guard_step(model, x, y, grads)
+        grads = guard_step(model, x, y, grads, step_size=step_size)
         with torch.no_grad():
             for p, g in zip(params, grads):
-                p.sub_(0.1 * g)
+                p.sub_((0.1 if step_size is None else step_size) * g)
         return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
                                    "metrics": MetricRecord({"num-examples": 2})}), reply_to=message)
 
@@ -362,32 +365,11 @@ def test_the_uploaded_arrays_meet_the_floor_under_an_independent_dense_i2f(defen
     assert bool((rmse >= tau).all()), rmse
 
 
-def _step_size_app(step_size: float) -> ClientApp:
-    """``auto`` under the mod, with the handler's SGD step size handed to ``guard_step``."""
-    from flwr.app import ArrayRecord, MetricRecord
-
-    app = ClientApp(mods=[guard_mod(unclipped(defense="auto", min_rmse=0.05, seed=0, subspace_size=2, krylov_steps=4))])
-
-    @app.train()
-    def train(message: Message, context: Context) -> Message:
-        model = _ScalarAndIntegerModel()
-        x, y = torch.randn(2, 6, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 2])
-        params = list(model.parameters())
-        grads = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)
-        grads = guard_step(model, x, y, grads, step_size=step_size)
-        with torch.no_grad():
-            for p, g in zip(params, grads):
-                p.sub_(step_size * g)
-        return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
-                                   "metrics": MetricRecord({"num-examples": 2})}), reply_to=message)
-
-    return app
-
-
 def test_guard_step_hands_the_step_size_to_auto():
     """With a step at which the Gaussian's noise would swamp the weights, ``auto`` sends eigen's aimed noise,
     which needs less of it: the reply's noise norm drops, and both replies meet the floor."""
-    replies = [_step_size_app(step)(_message(MessageType.TRAIN, task.make_model(SETTINGS)), _context())
+    config = unclipped(defense="auto", min_rmse=0.05, seed=0, subspace_size=2, krylov_steps=4)
+    replies = [_scalar_app(config=config, step_size=step)(_message(MessageType.TRAIN, task.make_model(SETTINGS)), _context())
                for step in (1e-9, 1e6)]
     for reply in replies:
         assert not reply.has_error(), reply.error if reply.has_error() else None

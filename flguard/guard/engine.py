@@ -74,8 +74,8 @@ class Guard:
                     op = _clipped(op, flat, clip_level(cfg.clip_per_sample, op, cfg.clip_quantile))
                     flat = op.gradient
                     self._clip = op.clip
-                outcome = self._perturber.perturb(op, flat, self._clip, self._generator(x.device),
-                                                  move_scale=_move_scale(model, step_size))
+                move_scale = _move_scale(model, step_size) if cfg.defense == "auto" else None  # only auto reads it
+                outcome = self._perturber.perturb(op, flat, self._clip, self._generator(x.device), move_scale=move_scale)
         except Exception as error:  # fail closed on anything, with the reason in the report
             reason = dead_network_reason(op, self._generator(x.device)) or failure_reason(error)
             return self._failed(gradient, batch, reason, op, start)

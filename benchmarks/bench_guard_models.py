@@ -155,7 +155,8 @@ def main() -> None:
             row = dict(model=name, guard=" ".join(args.guard) or "defaults", params=plain["params"], B=batch, steps=args.steps, device=args.device,
                        train_ms=plain["ms"], guard_ms=guard["ms"], ratio=guard["ms"] / plain["ms"],
                        products=guard["products"], sent=f"{guard['sent']}/{args.steps}", used=guard["used"],
-                       left_out=guard["left_out"], rel_noise=guard["rel_noise"], noise_norm=guard["noise_norm"], rss_train_gb=plain["rss_gb"], rss_guard_gb=guard["rss_gb"],
+                       left_out=guard["left_out"], rel_noise=guard["rel_noise"], noise_norm=guard["noise_norm"],
+                       rss_train_gb=plain["rss_gb"], rss_guard_gb=guard["rss_gb"],
                        acc_before=plain["acc_before"], acc_train=plain["acc_after"], acc_guard=guard["acc_after"])
             if args.products != "auto":
                 row["products_path"] = args.products

@@ -81,14 +81,17 @@ def _accuracy(model, x, y) -> float:
 
 
 def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, device: str, seed: int,
-           settings: dict, products: str = "auto") -> dict:
+           settings: dict, products: str = "auto", compile_mode: str | None = None) -> dict:
     """One local round in this (child) process; its measurements and this process's peak RSS. ``products``:
-    the operator's path, "auto" (its own choice) or forced "cached" / "direct" (``CACHED_UP_TO`` set here)."""
+    the operator's path, "auto" (its own choice) or forced "cached" / "direct" (``CACHED_UP_TO`` set here);
+    ``compile_mode``: the K products through ``torch.compile`` in this mode (``COMPILE_PRODUCTS``)."""
     from flguard import GuardConfig, GuardFailure, make_guarded
-    from flguard.risk import operator
+    from flguard.risk import operator, regularised
 
     if products != "auto":
         operator.CACHED_UP_TO = 2 ** 62 if products == "cached" else 0
+    if compile_mode is not None:
+        regularised.COMPILE_PRODUCTS, regularised.COMPILE_MODE = True, None if compile_mode == "default" else compile_mode
 
     model, (x, y), test, data = _task(name, train_steps, device, seed)
     before = _accuracy(model, *test)
@@ -141,6 +144,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--products", choices=["auto", "cached", "direct"], default="auto",
                         help="the Jacobian products' path (default: the operator's own choice by size)")
+    parser.add_argument("--compile-mode", default=None,
+                        help="the guard's K products through torch.compile in this mode (default, reduce-overhead: "
+                             "CUDA graphs, …; flguard.risk.regularised.COMPILE_PRODUCTS); the first compile is in the round's time")
     parser.add_argument("--guard", nargs="*", default=[], metavar="FIELD=VALUE",
                         help="GuardConfig fields beyond the normalisation (default: none, i.e. the defaults), "
                              "e.g. clip_per_sample=median max_rel_noise=40 max_excluded=0.25 rtol=0.01")
@@ -151,7 +157,7 @@ def main() -> None:
         for batch in (int(b) for b in args.batch.split(",")):
             plain = in_child(_round, name, batch, args.steps, args.train_steps, False, args.device, args.seed, settings)
             guard = in_child(_round, name, batch, args.steps, args.train_steps, True, args.device, args.seed, settings,
-                             args.products)
+                             args.products, args.compile_mode)
             row = dict(model=name, guard=" ".join(args.guard) or "defaults", params=plain["params"], B=batch, steps=args.steps, device=args.device,
                        train_ms=plain["ms"], guard_ms=guard["ms"], ratio=guard["ms"] / plain["ms"],
                        products=guard["products"], sent=f"{guard['sent']}/{args.steps}", used=guard["used"],
@@ -160,6 +166,8 @@ def main() -> None:
                        acc_before=plain["acc_before"], acc_train=plain["acc_after"], acc_guard=guard["acc_after"])
             if args.products != "auto":
                 row["products_path"] = args.products
+            if args.compile_mode is not None:
+                row["compile_mode"] = args.compile_mode
             if guard["gpu_gb"] is not None:  # on a CUDA device: the peak of its allocator, each round's own
                 row.update(gpu_train_gb=plain["gpu_gb"], gpu_guard_gb=guard["gpu_gb"])
             rows.append(row)

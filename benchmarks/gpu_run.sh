@@ -35,11 +35,9 @@ part guard_small "${LIMIT_SMALL:-100}" results/bench_guard_models.csv \
     python3 bench_guard_models.py --device cuda --models cnn,resnet20_gn --batch 32 --steps 10
 # PARTS=all adds: the cached pullbacks on the guard's path (1.9x cheaper per K product on an H200, but rebuilt
 # on each shrinking subset); ResNet-18-GN at B = 32 with the Gaussian alone and with eigen's 32 Lanczos steps
-# (what each of auto's two kinds costs there); and the CNN's launch-bound products through CUDA graphs
-# (compiled products' outputs are copied since 04cc31f). The last imports flguard.simulation, so .whl/ must
-# also hold flwr and the dependencies it imports that the image lacks (cryptography, cffi, pycparser, dill,
-# grpcio-health-checking, iterators, pycryptodome; protobuf, grpcio, typer, rich and click at the versions of
-# the development machine). SKIP="name …" leaves parts out.
+# (what each of auto's two kinds costs there); and the quickstart CNN's launch-bound round with its K products
+# eager and through CUDA graphs (torch.compile's reduce-overhead; compiled products' outputs are copied since
+# 04cc31f). SKIP="name …" leaves parts out.
 if [ "${PARTS:-}" = all ]; then
 part guard_resnet18_cached "${LIMIT_R18:-240}" results/bench_guard_models.csv \
     python3 bench_guard_models.py --device cuda --models resnet18_gn --batch 32 --steps "${R18_STEPS:-6}" --products cached
@@ -47,7 +45,8 @@ part guard_resnet18_gaussian "${LIMIT_R18G:-90}" results/bench_guard_models.csv 
     python3 bench_guard_models.py --device cuda --models resnet18_gn --batch 32 --steps "${R18_STEPS:-6}" --guard defense=gaussian
 part guard_resnet18_eigen32 "${LIMIT_R18:-240}" results/bench_guard_models.csv \
     python3 bench_guard_models.py --device cuda --models resnet18_gn --batch 32 --steps "${R18_STEPS:-6}" --guard defense=eigen krylov_steps=32
-part overhead_cnn_graphs "${LIMIT_GRAPHS:-150}" - \
-    python3 bench_guard_overhead.py --demo --config ../simulations/default.toml --device cuda --steps 20 --precondition off --compile off on \
-        --compile-mode reduce-overhead
+part guard_cnn "${LIMIT_CNN:-90}" results/bench_guard_models.csv \
+    python3 bench_guard_models.py --device cuda --models cnn --batch 32 --steps 20
+part guard_cnn_graphs "${LIMIT_GRAPHS:-150}" results/bench_guard_models.csv \
+    python3 bench_guard_models.py --device cuda --models cnn --batch 32 --steps 20 --compile-mode reduce-overhead
 fi

@@ -90,6 +90,7 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
 
     if products != "auto":
         operator.CACHED_UP_TO = 2 ** 62 if products == "cached" else 0
+        operator.CUDA_CACHED_SHARE = operator.CUDA_CACHED_SHARE if products == "cached" else 0.0
     if compile_mode is not None:
         regularised.COMPILE_PRODUCTS, regularised.COMPILE_MODE = True, None if compile_mode == "default" else compile_mode
 

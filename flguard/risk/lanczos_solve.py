@@ -238,14 +238,12 @@ def _tridiagonal_facts(alpha: torch.Tensor, beta: torch.Tensor, length: torch.Te
     top_residual = last_beta * s_last[:, -1].abs()
     top = theta[:, -1]
     eps_now = eps * top if relative else torch.full_like(top, eps)
-    # (T + εI) on the sample's block, the identity on the padding: y = 0 there
-    # (a zero operator has ε = 0 and b = 0: the tiny shift keeps the system solvable, y = 0 there)
-    diagonal = torch.where(inside, eps_now.clamp_min(torch.finfo(alpha.dtype).tiny).unsqueeze(1).expand(-1, size),
-                           torch.ones_like(t[:, 0]))
-    system = t + torch.diag_embed(diagonal)
-    e1 = torch.zeros(r, size, 1, dtype=alpha.dtype, device=alpha.device)
-    e1[:, 0, 0] = 1.0
-    y = torch.linalg.solve(system, e1).squeeze(2) * rhs_norm.unsqueeze(1)
+    # y = ‖b‖(T + εI)⁻¹e₁ = ‖b‖·S diag(1/(θ + ε)) Sᵀe₁ from the eigenpairs already at hand (no solve per
+    # iteration). The padding is a zero block of the padded T, so e₁ has no part in it: y is zeroed there.
+    # (A zero operator has ε = 0 and b = 0: the tiny shift keeps 1/(θ + ε) finite, and y = 0.)
+    shifted = theta + eps_now.clamp_min(torch.finfo(alpha.dtype).tiny).unsqueeze(1)
+    y = torch.einsum("rij,rj->ri", s, s[:, 0, :] / shifted) * rhs_norm.unsqueeze(1)
+    y = torch.where(inside, y, torch.zeros_like(y))
     y_last = y.gather(1, (length - 1).unsqueeze(1)).squeeze(1)
     padded = torch.zeros(r, alpha.shape[1], dtype=alpha.dtype, device=alpha.device)
     padded[:, :size] = y

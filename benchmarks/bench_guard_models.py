@@ -5,7 +5,9 @@ local round (``--steps`` SGD steps at batch ``B``, the same batches) twice throu
 ``loss.backward(); optimizer.step()`` loop — unguarded, and through ``flguard.make_guarded`` with only
 the data's normalisation given (``GuardConfig(pixel_mean=…, pixel_std=…)``: every other setting the
 default). Each round runs in a child process of its own, so its peak RSS is its own. Printed per
-model and batch size: guarded / unguarded ms per step (medians), Jacobian products per sample per
+model and batch size: guarded / unguarded ms per step (medians; ``ratio_here`` divides by the
+unguarded step timed again in the guarded round's own process, on a copy of the model and the same
+batches), Jacobian products per sample per
 guarded step, steps sent, samples left out, peak RSS of each round, test accuracy before and after.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_guard_models.py                   # cnn B=32, resnet20_gn B=32
@@ -75,6 +77,26 @@ def trained_batches(parser):
     return args, model, data, batches
 
 
+def _unguarded_ms(model, x, y, batches, device: str, lr: float) -> float:
+    """Median ms of an unguarded SGD step on a copy of ``model`` over ``batches`` (after one warm-up step),
+    in the guarded round's own process: the ratio's denominator there. A training step timed in another
+    process varied 2× between processes on a GPU (docs/results.md, H100)."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(twin.parameters(), lr=lr)
+    seconds = []
+    for idx in [batches[0], *batches]:
+        synchronize(device)
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        F.cross_entropy(twin(x[idx]), y[idx]).backward()
+        optimizer.step()
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return 1000 * statistics.median(seconds[1:])
+
+
 def _accuracy(model, x, y) -> float:
     with torch.no_grad():
         return 100.0 * float(torch.cat([model(b).argmax(1) for b in x.split(256)]).eq(y).float().mean())
@@ -92,17 +114,19 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
         operator.CACHED_UP_TO = 2 ** 62 if products == "cached" else 0
         operator.CUDA_CACHED_SHARE = operator.CUDA_CACHED_SHARE if products == "cached" else 0.0
     if compile_mode is not None:
-        regularised.COMPILE_PRODUCTS, regularised.COMPILE_MODE = True, None if compile_mode == "default" else compile_mode
+        regularised.COMPILE_PRODUCTS = True
+        regularised.COMPILE_MODE = None if compile_mode == "default" else compile_mode
 
     model, (x, y), test, data = _task(name, train_steps, device, seed)
     before = _accuracy(model, *test)
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE[name] / 5)
     criterion = torch.nn.CrossEntropyLoss()
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed + 1))[:steps * batch]
+    here_ms = _unguarded_ms(model, x, y, order.split(batch), device, LEARNING_RATE[name] / 5) if guarded else None
     if guarded:
         config = GuardConfig(pixel_mean=data.mean, pixel_std=data.std, **settings)
         model, optimizer, criterion = make_guarded(model, optimizer, criterion, config)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed + 1))[:steps * batch]
     seconds, sent, left_out, products, reasons, used, noise = [], 0, 0, [], [], {}, []
     for idx in order.split(batch):
         synchronize(device)
@@ -124,7 +148,7 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
                 noise.append((report.rel_noise, report.noise_norm))
             kind = report.details.get("defense_used", config.defense) if report.met else "withheld"
             used[kind] = used.get(kind, 0) + 1
-    return dict(ms=1000 * statistics.median(seconds), sent=sent, left_out=left_out,
+    return dict(ms=1000 * statistics.median(seconds), here_ms=here_ms, sent=sent, left_out=left_out,
                 products=statistics.median(products) if products else 0.0, reasons=reasons,
                 rel_noise=statistics.median(n[0] for n in noise) if noise else None,
                 noise_norm=statistics.median(n[1] for n in noise) if noise else None,
@@ -147,7 +171,8 @@ def main() -> None:
                         help="the Jacobian products' path (default: the operator's own choice by size)")
     parser.add_argument("--compile-mode", default=None,
                         help="the guard's K products through torch.compile in this mode (default, reduce-overhead: "
-                             "CUDA graphs, …; flguard.risk.regularised.COMPILE_PRODUCTS); the first compile is in the round's time")
+                             "CUDA graphs, …; flguard.risk.regularised.COMPILE_PRODUCTS); the first compile is in "
+                             "the round's time")
     parser.add_argument("--guard", nargs="*", default=[], metavar="FIELD=VALUE",
                         help="GuardConfig fields beyond the normalisation (default: none, i.e. the defaults), "
                              "e.g. clip_per_sample=median max_rel_noise=40 max_excluded=0.25 rtol=0.01")
@@ -161,6 +186,7 @@ def main() -> None:
                              args.products, args.compile_mode)
             row = dict(model=name, guard=" ".join(args.guard) or "defaults", params=plain["params"], B=batch, steps=args.steps, device=args.device,
                        train_ms=plain["ms"], guard_ms=guard["ms"], ratio=guard["ms"] / plain["ms"],
+                       train_ms_here=guard["here_ms"], ratio_here=guard["ms"] / guard["here_ms"],
                        products=guard["products"], sent=f"{guard['sent']}/{args.steps}", used=guard["used"],
                        left_out=guard["left_out"], rel_noise=guard["rel_noise"], noise_norm=guard["noise_norm"],
                        rss_train_gb=plain["rss_gb"], rss_guard_gb=guard["rss_gb"],

@@ -7,7 +7,8 @@ the data's normalisation given (``GuardConfig(pixel_mean=…, pixel_std=…)``: 
 default). Each round runs in a child process of its own, so its peak RSS is its own. Printed per
 model and batch size: guarded / unguarded ms per step (medians; ``ratio_here`` divides by the
 unguarded step timed again in the guarded round's own process, on a copy of the model and the same
-batches), Jacobian products per sample per guarded step, steps sent, samples left out, peak RSS of each round, test accuracy before and after.
+batches), Jacobian products per sample per guarded step, steps sent, samples left out, peak RSS of
+each round, test accuracy before and after.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_guard_models.py                   # cnn B=32, resnet20_gn B=32
     OMP_NUM_THREADS=1 python benchmarks/bench_guard_models.py --models cnn \

@@ -233,3 +233,25 @@ def test_auto_judges_the_gaussians_move_by_an_sgd_learning_rate(make_optimizer, 
         noise = (theta0 - flat_params(model)) / step_size - g
         dense = dense_metrics(jac, g, noise, report.eps)["rmse_i2f"]
         assert torch.all(dense >= 0.2), dense
+
+
+@pytest.mark.parametrize("momentum, dampening, nesterov", [(0.0, 0.0, False), (0.9, 0.0, False), (0.5, 0.3, False),
+                                                           (0.9, 0.0, True)])
+def test_momentum_gain_is_the_rms_step_of_torchs_sgd_on_independent_noise(momentum, dampening, nesterov):
+    """``momentum_gain`` (the move rule's step size ÷ lr) against torch.optim.SGD itself: fed independent
+    unit-RMS noise as gradients, its steps' root mean square after a burn-in is lr × the gain (2.29× at
+    μ = 0.9, 2.66× with Nesterov), to the 2% that 100 × 4,000 samples resolve."""
+    from flguard.guard.training import momentum_gain
+    generator = torch.Generator().manual_seed(0)
+    param = nn.Parameter(torch.zeros(4000, dtype=torch.float64))
+    sgd = torch.optim.SGD([param], lr=0.5, momentum=momentum, dampening=dampening, nesterov=nesterov)
+    squares = []
+    for step in range(300):
+        before = param.detach().clone()
+        param.grad = torch.randn(4000, generator=generator, dtype=torch.float64)
+        sgd.step()
+        if step >= 200:  # μ^200 ≈ 1e-9: stationary
+            squares.append(float((param.detach() - before).square().mean()))
+    measured = (sum(squares) / len(squares)) ** 0.5 / 0.5
+    assert measured == pytest.approx(momentum_gain(momentum, dampening, nesterov), rel=0.02)
+    assert momentum_gain(0.9) == pytest.approx(0.19 ** -0.5) and momentum_gain(0.9, nesterov=True) > momentum_gain(0.9)

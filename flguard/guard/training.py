@@ -140,6 +140,19 @@ class GuardedCriterion(nn.Module):
             return getattr(inner, name)
 
 
+def momentum_gain(momentum: float, dampening: float = 0.0, nesterov: bool = False) -> float:
+    """The stationary root mean square of ``torch.optim.SGD``'s step (÷ lr) when its gradients are
+    independent noise of unit root mean square: with v ← μv + (1 − d)·g the step is v, RMS
+    (1 − d)/√(1 − μ²) (2.3× at μ = 0.9); with Nesterov (d = 0) it is g + μv = (1 + μ)g + μ²v₋, RMS
+    √((1 + μ)² + μ⁴/(1 − μ²)) (2.7× at μ = 0.9). 1 without momentum. ``tests/test_make_guarded.py`` checks
+    both against torch's optimizer."""
+    if momentum == 0.0:
+        return 1.0
+    if nesterov:
+        return ((1.0 + momentum) ** 2 + momentum ** 4 / (1.0 - momentum ** 2)) ** 0.5
+    return (1.0 - dampening) / (1.0 - momentum ** 2) ** 0.5
+
+
 class GuardedOptimizer(torch.optim.Optimizer):
     """The user's optimizer whose ``step()`` applies only the guarded gradient of the recorded batch.
 
@@ -243,15 +256,16 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def _sgd_step_size(self) -> float | None:
         """``Guard.protect``'s ``step_size`` for a ``torch.optim.SGD`` (``auto`` judges how far its noise moves
-        the parameters): the largest over the groups of lr·(1 − dampening)/√(1 − momentum²) — with momentum μ
-        independent noise reaches the parameters through v ← μv + (1 − dampening)·g, whose root mean square
-        is 1/√(1 − μ²) times one step's (2.3× at μ = 0.9). None for other optimizers, whose step is not lr × the
+        the parameters): the largest over the groups of lr × the root mean square of one step's response to
+        independent unit noise, ``momentum_gain``. None for other optimizers, whose step is not lr × the
         gradient (Adam's is normalised per coordinate)."""
-        momenta = [float(group.get("momentum", 0.0)) for group in self.param_groups]
-        if not isinstance(self.original_optimizer, torch.optim.SGD) or max(momenta) >= 1.0:
+        groups = self.param_groups
+        if not isinstance(self.original_optimizer, torch.optim.SGD) or any(
+                float(group.get("momentum", 0.0)) >= 1.0 for group in groups):
             return None  # (momentum ≥ 1 has no stationary root mean square: no move to judge)
-        return max(float(group["lr"]) * (1.0 - float(group.get("dampening", 0.0))) / (1.0 - mu**2) ** 0.5
-                   for group, mu in zip(self.param_groups, momenta))
+        return max(float(group["lr"]) * momentum_gain(float(group.get("momentum", 0.0)),
+                                                      float(group.get("dampening", 0.0)),
+                                                      bool(group.get("nesterov", False))) for group in groups)
 
     def _active_guard(self) -> Guard:
         if self._guard is not None:

@@ -59,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from _common import model_and_batch
+from _common import guard_settings, model_and_batch
 from flguard import Guard, GuardConfig
 from flguard.attacks import metrics, reconstruct
 
@@ -149,7 +149,7 @@ def trained_setup(args) -> None:
         args.defenses = ["auto"]
         one = len(data.mean) == 1  # one channel: scalars, as the demo's config gives them
         args.guard_values = {"auto": dict(pixel_mean=data.mean[0] if one else data.mean,
-                                          pixel_std=data.std[0] if one else data.std)}
+                                          pixel_std=data.std[0] if one else data.std, **guard_settings(args.guard))}
     else:
         args.guard_values = {spec.defense: config.guard_values(spec) for spec in config.defenses
                              if spec.defense in args.defenses}
@@ -351,6 +351,9 @@ def main() -> None:
     parser.add_argument("--defenses", nargs="+", default=["gaussian", "eigen"])
     parser.add_argument("--defaults", action="store_true",
                         help="with --trained: one defense, the guard's defaults (auto) given only the normalisation")
+    parser.add_argument("--guard", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="with --defaults: GuardConfig fields beyond the normalisation, e.g. "
+                             "clip_per_sample=quantile clip_quantile=0.9")
     parser.add_argument("--samples-b1", type=int, default=None, help="B=1 uploads (each guarded per defense and τ; "
                         "default 9, --trained 6)")
     parser.add_argument("--batches-b8", type=int, default=1, help="B=8 uploads (each guarded per defense and τ)")

@@ -238,8 +238,8 @@ def _tridiagonal_facts(alpha: torch.Tensor, beta: torch.Tensor, length: torch.Te
     top_residual = last_beta * s_last[:, -1].abs()
     top = theta[:, -1]
     eps_now = eps * top if relative else torch.full_like(top, eps)
-    # y = ‖b‖(T + εI)⁻¹e₁ = ‖b‖·S diag(1/(θ + ε)) Sᵀe₁ from the eigenpairs already at hand
-    # (no solve per iteration). The padding is a zero block of the padded T, so e₁ has no part in it: y is zeroed there.
+    # y = ‖b‖(T + εI)⁻¹e₁ = ‖b‖·S diag(1/(θ + ε)) Sᵀe₁ from the eigenpairs already at hand (no solve per
+    # iteration). The padding is a zero block of the padded T, so e₁ has no part in it: y is zeroed there.
     # (A zero operator has ε = 0 and b = 0: the tiny shift keeps 1/(θ + ε) finite, and y = 0.)
     shifted = theta + eps_now.clamp_min(torch.finfo(alpha.dtype).tiny).unsqueeze(1)
     y = torch.einsum("rij,rj->ri", s, s[:, 0, :] / shifted) * rhs_norm.unsqueeze(1)

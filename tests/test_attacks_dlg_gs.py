@@ -180,3 +180,33 @@ def test_lbfgs_attacks_run_on_batches_with_restarts(method):
     rec = reconstruct(model, g, (1, 12, 12), method=method, labels=y, batch_size=2, restarts=2, iterations=3, seed=0)
     assert rec.images.shape == (2, 1, 12, 12) and bool(torch.isfinite(rec.images).all())
     assert math.isfinite(rec.loss)
+
+
+def test_dlg_keeps_the_last_finite_iterate_when_lbfgs_diverges(monkeypatch):
+    """A non-finite L-BFGS step (its restarts share one state, so it spoils them all) puts DLG back on the
+    iterate before it: the images are those of a run stopped one step earlier, never NaN (which the
+    Hungarian matching of a batch cannot score: the promise study's unguarded DLG was skipped so)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3), torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(300, 4))
+    x, y = torch.rand(2, 1, 12, 12), torch.tensor([0, 2])
+    params = list(model.parameters())
+    g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(F.cross_entropy(model(x), y), params)])
+    kwargs = dict(labels=y, batch_size=2, restarts=2, seed=0)
+    one_step = reconstruct(model, g, (1, 12, 12), method="dlg", iterations=1, **kwargs)
+    step, calls = torch.optim.LBFGS.step, []
+
+    def diverging(self, closure):
+        calls.append(1)
+        if len(calls) < 2:
+            return step(self, closure)
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.fill_(float("nan"))
+        return torch.tensor(float("nan"))
+
+    monkeypatch.setattr(torch.optim.LBFGS, "step", diverging)
+    rec = reconstruct(model, g, (1, 12, 12), method="dlg", iterations=5, **kwargs)
+    assert len(calls) == 2 and math.isnan(rec.history[-1])
+    assert bool(torch.isfinite(rec.images).all()) and math.isfinite(rec.loss)
+    torch.testing.assert_close(rec.images, one_step.images, rtol=0, atol=0)

@@ -97,11 +97,17 @@ def dlg(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequence[
         return total
 
     for _ in range(steps):
+        kept = [v.detach().clone() for v in variables]
         loss = optimizer.step(closure)
         value = float(loss.detach())
         history.append(value)
-        if not torch.isfinite(loss):
-            break  # diverged: keep the last iterate and let the scoring below judge it
+        if not (torch.isfinite(loss) and all(bool(torch.isfinite(v).all()) for v in variables)):
+            # diverged (the restarts share one L-BFGS state, so a non-finite step spoils them all): back to
+            # the last finite iterate, which the scoring below then judges — never NaN images
+            with torch.no_grad():
+                for v, before in zip(variables, kept):
+                    v.copy_(before)
+            break
         if boxed:
             space.clamp_(x.data)
 

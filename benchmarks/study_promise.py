@@ -122,12 +122,15 @@ def attacks(model, gradient, x, y, data, args, guard_subspace: int, adaptive: bo
     return out
 
 
-def clipped_upload(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float | str) -> torch.Tensor:
+def clipped_upload(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float | str,
+                   quantile: float = 0.5) -> torch.Tensor:
     """The ``clip`` control: Σ_i min(1, C/‖g_i‖)·g_i / B — per-sample clipping, no noise (C = the lower
-    median of the per-sample norms for ``"median"``, as the guard's default)."""
+    median of the per-sample norms for ``"median"``, as the guard's default; their lower ``quantile``
+    quantile for ``"quantile"``, as ``flguard.guard.engine.clip_level``)."""
     rows = [batch_gradient(model, x[i:i + 1], y[i:i + 1]) for i in range(x.shape[0])]
-    if clip == "median":
-        clip = float(torch.stack([g.norm() for g in rows]).median())
+    if isinstance(clip, str):
+        norms = torch.stack([g.norm() for g in rows]).double()
+        clip = float(torch.quantile(norms, 0.5 if clip == "median" else quantile, interpolation="lower"))
     return sum(g * min(1.0, clip / float(g.norm().clamp_min(1e-30))) for g in rows) / x.shape[0]
 
 
@@ -165,7 +168,7 @@ def trained_setup(args) -> None:
     if isinstance(low, tuple):
         raise SystemExit("--trained supports one-channel data (MNIST): the box must be a scalar pair")
     args.box = (float(low), float(high))
-    args.clip = configs[0].clip_per_sample
+    args.clip, args.clip_quantile = configs[0].clip_per_sample, configs[0].clip_quantile
     args.data_std = float(configs[0].pixel_std)  # one channel: the pixel RMSE is the input RMSE × std
 
 
@@ -223,7 +226,7 @@ def run(args) -> list[dict]:
                     subspace = args.guard_values["eigen"]["subspace_size"] if args.trained and "eigen" in args.guard_values \
                         else args.subspace_size
                     if defense in ("none", "clip"):  # the controls: every attack on the unguarded (clipped) upload
-                        sent = g if defense == "none" else clipped_upload(model, x, y, args.clip)
+                        sent = g if defense == "none" else clipped_upload(model, x, y, args.clip, args.clip_quantile)
                         result = attacks(model, sent, x, y, data, args, subspace, adaptive=not args.trained)
                         report = None
                     else:

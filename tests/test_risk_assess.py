@@ -224,6 +224,34 @@ def test_auto_keeps_the_cached_pullbacks_where_a_cuda_devices_memory_holds_them(
     assert not takes_cached(resnet18, 8, cuda)
 
 
+def test_cached_products_fall_back_on_the_direct_path_when_the_device_runs_out_of_memory(monkeypatch):
+    """Building the cached pullbacks can run a CUDA device out of memory where ``takes_cached``'s count of
+    parameters misses large activations: the product is then taken on the direct path, exactly, and the
+    operator stays there (its K products too)."""
+    model, x, y = _problem("conv", 3)
+    jac, _ = dense_jacobians(model, x, y)
+
+    def out_of_memory(self):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    for build, product, shape in (("_transpose_pullback", "jt", "dx"), ("_pullback", "j", "dtheta")):
+        op = JacobianOperator(model, x, y)
+        assert not op.direct
+        monkeypatch.setattr(JacobianOperator, build, out_of_memory)
+        w = torch.randn(3, 2, getattr(op, shape), dtype=x.dtype)
+        reference = torch.einsum("bdp,bkd->bkp" if product == "jt" else "bdp,bkp->bkd", jac, w)
+        torch.testing.assert_close(getattr(op, product)(w), reference, rtol=1e-10, atol=1e-12)
+        assert op.direct and op.applications == 2  # two vectors per sample, charged once
+        u = torch.randn(3, 1, op.dx, dtype=x.dtype)
+        torch.testing.assert_close(op.kmv(u), torch.einsum("bdp,bep,bke->bkd", jac, jac, u), rtol=1e-10, atol=1e-12)
+        monkeypatch.undo()
+    op = JacobianOperator(model, x, y)
+    monkeypatch.setattr(JacobianOperator, "_pullback", out_of_memory)
+    loop = JacobianOperator(model, x, y, products="direct").per_sample_gradients()
+    torch.testing.assert_close(op.per_sample_gradients(), loop, rtol=1e-10, atol=1e-12)
+    assert op.direct
+
+
 def test_auto_products_go_direct_above_the_size_limit(monkeypatch):
     """"auto" keeps the cached pullbacks while B·dθ ≤ CACHED_UP_TO floats, then goes direct in chunks
     of ⌊min(CACHED_UP_TO, DIRECT_CHUNK_FLOATS)/dθ⌋ samples; both give the dense Jacobian's products."""

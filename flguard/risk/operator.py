@@ -237,14 +237,17 @@ class JacobianOperator:
         batch, k = self._check(u, self.dx)
         self._charge(batch, k)
         with batchnorm_without_running_stats(self.model):
+            direct = lambda: self.scale * self._per_sample_products(self._jt_one, u)  # noqa: E731
             if self.direct:
-                return self.scale * self._per_sample_products(self._jt_one, u)
+                return direct()
             if not self.coupled:
-                pullback = self._transpose_pullback()
-                if k == 1:  # one vector per sample (every solver step): no vmap layer (measured 10–25% faster)
-                    return self.scale * self._flat_rows(pullback(u[:, 0])[0]).unsqueeze(1)
-                return self.scale * vmap(lambda w: self._flat_rows(pullback(w)[0]), in_dims=1, out_dims=1,
-                                         chunk_size=self.chunk_size)(u)
+                def cached() -> torch.Tensor:
+                    pullback = self._transpose_pullback()
+                    if k == 1:  # one vector per sample (every solver step): no vmap layer (measured 10–25% faster)
+                        return self.scale * self._flat_rows(pullback(u[:, 0])[0]).unsqueeze(1)
+                    return self.scale * vmap(lambda w: self._flat_rows(pullback(w)[0]), in_dims=1, out_dims=1,
+                                             chunk_size=self.chunk_size)(u)
+                return self._cached_or_direct(cached, direct)
             tangents = torch.zeros(batch, k, batch, self.dx, dtype=u.dtype, device=u.device)
             idx = torch.arange(batch, device=u.device)
             tangents[idx, :, idx] = u
@@ -304,17 +307,21 @@ class JacobianOperator:
         """J_i v_i for every sample: v [B, k, dθ] → [B, k, dx]."""
         batch, k = self._check(v, self.dtheta)
         self._charge(batch, k)
+        direct = lambda: self.scale * self._per_sample_products(self._j_one, v)  # noqa: E731
         if self.direct:
-            return self.scale * self._per_sample_products(self._j_one, v)
+            return direct()
+        if not self.coupled:
+            def cached() -> torch.Tensor:
+                pullback = self._pullback()
+                with batchnorm_without_running_stats(self.model):
+                    # Row i of the pullback of X ↦ (∇_θ ℓ(x_i))_i is J_i v_i: sample i's gradient depends on x_i only.
+                    if k == 1:
+                        return self.scale * pullback(v[:, 0])[0].reshape(batch, 1, -1)
+                    return self.scale * vmap(lambda w: pullback(w)[0].reshape(batch, -1), in_dims=1, out_dims=1,
+                                             chunk_size=self.chunk_size)(v)
+            return self._cached_or_direct(cached, direct)
         pullback = self._pullback()
         with batchnorm_without_running_stats(self.model):
-            if not self.coupled:
-                # Row i of the pullback of X ↦ (∇_θ ℓ(x_i))_i is J_i v_i: sample i's gradient depends on x_i only.
-                if k == 1:
-                    return self.scale * pullback(v[:, 0])[0].reshape(batch, 1, -1)
-                rows = vmap(lambda w: pullback(w)[0].reshape(batch, -1), in_dims=1, out_dims=1,
-                            chunk_size=self.chunk_size)(v)
-                return self.scale * rows
             rows = vmap(lambda w: pullback(w)[0], chunk_size=self.chunk_size)(v.reshape(batch * k, self.dtheta))
             rows = rows.reshape(batch, k, batch, self.dx)
             idx = torch.arange(batch, device=v.device)
@@ -398,6 +405,19 @@ class JacobianOperator:
                     self._per_sample = primal.detach()
         return self._cached_pullback
 
+    def _cached_or_direct(self, cached: Callable[[], torch.Tensor], direct: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The cached path's product, or — where the device runs out of memory building or applying the
+        pullbacks (``takes_cached`` counts parameters, not activations: a large input makes the graph
+        larger) — the direct path's, which this operator keeps from then on. Both are exact."""
+        try:
+            return cached()
+        except torch.cuda.OutOfMemoryError:
+            self._cached_pullback = self._cached_transpose = None
+            self.direct = True
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return direct()
+
     @on_exact_float32
     def kmv(self, u: torch.Tensor) -> torch.Tensor:
         """K_i u_i = J_i J_iᵀ u_i, u [B, k, dx] → [B, k, dx] (two applications; fused per sample on the
@@ -433,9 +453,9 @@ class JacobianOperator:
                 if getattr(self, "_per_sample", None) is None:
                     self._per_sample = self._chunked_sample_grads()
                 return self._per_sample
-            if not self.coupled:
-                self._pullback()  # its primal output is exactly these gradients: built once for both
-                return self._per_sample
+            if not self.coupled:  # the pullback's primal output is exactly these gradients: built once for both
+                return self._cached_or_direct(lambda: (self._pullback(), self._per_sample)[1],
+                                              self.per_sample_gradients)
 
             def losses(params):
                 logits = self._forward(params, self.x)

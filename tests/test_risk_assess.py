@@ -250,6 +250,18 @@ def test_cached_products_fall_back_on_the_direct_path_when_the_device_runs_out_o
     loop = JacobianOperator(model, x, y, products="direct").per_sample_gradients()
     torch.testing.assert_close(op.per_sample_gradients(), loop, rtol=1e-10, atol=1e-12)
     assert op.direct
+    monkeypatch.undo()
+    from flguard.risk import operator  # the summed Jᵀ product's whole-batch pass, then in the direct path's chunks
+    op, calls, grad = JacobianOperator(model, x, y), [], operator.grad
+
+    def grad_running_out_once(*args, **kwargs):
+        calls.append(1)
+        return out_of_memory(None) if len(calls) == 1 else grad(*args, **kwargs)
+
+    monkeypatch.setattr(operator, "grad", grad_running_out_once)
+    u = torch.randn(3, op.dx, dtype=x.dtype)
+    torch.testing.assert_close(op.jt_sum(u), torch.einsum("bdp,bd->p", jac, u), rtol=1e-10, atol=1e-12)
+    assert op.direct and op.applications == 1
 
 
 def test_auto_products_go_direct_above_the_size_limit(monkeypatch):

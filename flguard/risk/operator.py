@@ -267,7 +267,6 @@ class JacobianOperator:
             raise ValueError(f"expected vectors of shape [B={self.batch_size}, {self.dx}], got {tuple(u.shape)}")
         self._charge(self.batch_size, 1)
         direction = u.reshape(self.x.shape)
-        chunk = self.sample_chunk if self.direct and not self.coupled else self.batch_size
 
         def loss(params: dict[str, torch.Tensor], z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             if self.coupled:
@@ -276,16 +275,23 @@ class JacobianOperator:
             each = vmap(lambda out, label: self.loss_fn(out.unsqueeze(0), label.unsqueeze(0)))
             return self.scale * each(self._forward(params, z), labels).sum()
 
-        total = None
-        with batchnorm_without_running_stats(self.model):
-            for start in range(0, self.batch_size, chunk):
-                x, y, d = (t[start:start + chunk] for t in (self.x, self.y, direction))
+        def in_chunks(chunk: int) -> torch.Tensor:
+            total = None
+            with batchnorm_without_running_stats(self.model):
+                for start in range(0, self.batch_size, chunk):
+                    x, y, d = (t[start:start + chunk] for t in (self.x, self.y, direction))
 
-                def input_dot(params: dict[str, torch.Tensor]) -> torch.Tensor:
-                    return (grad(lambda z: loss(params, z, y))(x) * d).sum()  # noqa: B023 (called at once)
-                part = self._flat(grad(input_dot)(self.params))
-                total = part if total is None else total.add_(part)
-        return total
+                    def input_dot(params: dict[str, torch.Tensor]) -> torch.Tensor:
+                        return (grad(lambda z: loss(params, z, y))(x) * d).sum()  # noqa: B023 (called at once)
+                    part = self._flat(grad(input_dot)(self.params))
+                    total = part if total is None else total.add_(part)
+            return total
+
+        if self.coupled:
+            return in_chunks(self.batch_size)
+        if self.direct:
+            return in_chunks(self.sample_chunk)
+        return self._cached_or_direct(lambda: in_chunks(self.batch_size), lambda: in_chunks(self.sample_chunk))
 
     def _transpose_pullback(self) -> Callable:
         """Per-sample path: the vjp of (θ_1..θ_B) ↦ (∇_{x_i} ℓ(f(x_i; θ_i), y_i))_i at θ_i = θ, built
@@ -406,9 +412,10 @@ class JacobianOperator:
         return self._cached_pullback
 
     def _cached_or_direct(self, cached: Callable[[], torch.Tensor], direct: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The cached path's product, or — where the device runs out of memory building or applying the
-        pullbacks (``takes_cached`` counts parameters, not activations: a large input makes the graph
-        larger) — the direct path's, which this operator keeps from then on. Both are exact."""
+        """The cached path's product (or ``jt_sum``'s whole-batch pass), or — where the device runs out of
+        memory building or applying the pullbacks (``takes_cached`` counts parameters, not activations: a
+        large input makes the graph larger) — the direct path's, which this operator keeps from then on.
+        Both are exact."""
         try:
             return cached()
         except torch.cuda.OutOfMemoryError:

@@ -112,7 +112,8 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
 
     if products != "auto":
         operator.CACHED_UP_TO = 2 ** 62 if products == "cached" else 0
-        operator.CUDA_CACHED_SHARE = operator.CUDA_CACHED_SHARE if products == "cached" else 0.0
+        if products == "direct":  # a CUDA device's memory would otherwise keep the cached pullbacks
+            operator.CUDA_CACHED_SHARE = 0.0
     if compile_mode is not None:
         regularised.COMPILE_PRODUCTS = True
         regularised.COMPILE_MODE = None if compile_mode == "default" else compile_mode

@@ -61,6 +61,7 @@ import torch
 
 from _common import guard_settings, model_and_batch
 from flguard import Guard, GuardConfig
+from flguard.guard.engine import lower_quantile
 from flguard.attacks import metrics, reconstruct
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,11 +127,10 @@ def clipped_upload(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cli
                    quantile: float = 0.5) -> torch.Tensor:
     """The ``clip`` control: Σ_i min(1, C/‖g_i‖)·g_i / B — per-sample clipping, no noise (C = the lower
     median of the per-sample norms for ``"median"``, as the guard's default; their lower ``quantile``
-    quantile for ``"quantile"``, as ``flguard.guard.engine.clip_level``)."""
+    quantile for ``"quantile"``: ``flguard.guard.engine.lower_quantile``, as the guard's ``clip_level``)."""
     rows = [batch_gradient(model, x[i:i + 1], y[i:i + 1]) for i in range(x.shape[0])]
     if isinstance(clip, str):
-        norms = torch.stack([g.norm() for g in rows]).double()
-        clip = float(torch.quantile(norms, 0.5 if clip == "median" else quantile, interpolation="lower"))
+        clip = lower_quantile(torch.stack([g.norm() for g in rows]), 0.5 if clip == "median" else quantile)
     return sum(g * min(1.0, clip / float(g.norm().clamp_min(1e-30))) for g in rows) / x.shape[0]
 
 

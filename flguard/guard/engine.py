@@ -163,13 +163,18 @@ def clip_level(setting: float | str, op: JacobianOperator, quantile: float = 0.5
     attacker (it is part of "everything but sample i"), and each block is measured at that C."""
     if not isinstance(setting, str):
         return float(setting)
-    norms = op.per_sample_gradients().norm(dim=1)
     share = 0.5 if setting == "median" else quantile
-    level = float(torch.quantile(norms.double(), share, interpolation="lower"))
+    level = lower_quantile(op.per_sample_gradients().norm(dim=1), share)
     if not level > 0:
         raise GuardFailure(f"clip_per_sample={setting!r}: the batch's {share:g} quantile of per-sample gradient "
                            "norms is 0 (that share of the batch has a zero gradient); set a numeric clip_per_sample")
     return level
+
+
+def lower_quantile(norms: torch.Tensor, share: float) -> float:
+    """The batch's ``share`` quantile of per-sample gradient norms, the lower one (a sample's own norm):
+    ``clip_level``'s C for ``"median"`` (0.5) and ``"quantile"``."""
+    return float(torch.quantile(norms.double(), share, interpolation="lower"))
 
 
 def _clipped(op: JacobianOperator, flat: torch.Tensor, clip: float) -> ClippedJacobian:

@@ -7,7 +7,8 @@ the data's normalisation given (``GuardConfig(pixel_mean=…, pixel_std=…)``: 
 default). Each round runs in a child process of its own, so its peak RSS is its own. Printed per
 model and batch size: guarded / unguarded ms per step (medians; ``ratio_here`` divides by the
 unguarded step timed again in the guarded round's own process, on a copy of the model and the same
-batches), Jacobian products per sample per guarded step, steps sent, samples left out, peak RSS of
+batches; ``ratio_mean_here`` the mean guarded step over it — the round's cost where ``auto`` sends eigen on
+some steps and the Gaussian on others, which the median hides), Jacobian products per sample per guarded step, steps sent, samples left out, peak RSS of
 each round, test accuracy before and after.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_guard_models.py                   # cnn B=32, resnet20_gn B=32
@@ -149,7 +150,8 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
                 noise.append((report.rel_noise, report.noise_norm))
             kind = report.details.get("defense_used", config.defense) if report.met else "withheld"
             used[kind] = used.get(kind, 0) + 1
-    return dict(ms=1000 * statistics.median(seconds), here_ms=here_ms, sent=sent, left_out=left_out,
+    return dict(ms=1000 * statistics.median(seconds), mean_ms=1000 * statistics.fmean(seconds), here_ms=here_ms,
+                sent=sent, left_out=left_out,
                 products=statistics.median(products) if products else 0.0, reasons=reasons,
                 rel_noise=statistics.median(n[0] for n in noise) if noise else None,
                 noise_norm=statistics.median(n[1] for n in noise) if noise else None,
@@ -188,6 +190,7 @@ def main() -> None:
             row = dict(model=name, guard=" ".join(args.guard) or "defaults", params=plain["params"], B=batch, steps=args.steps, device=args.device,
                        train_ms=plain["ms"], guard_ms=guard["ms"], ratio=guard["ms"] / plain["ms"],
                        train_ms_here=guard["here_ms"], ratio_here=guard["ms"] / guard["here_ms"],
+                       ratio_mean_here=guard["mean_ms"] / guard["here_ms"],
                        products=guard["products"], sent=f"{guard['sent']}/{args.steps}", used=guard["used"],
                        left_out=guard["left_out"], rel_noise=guard["rel_noise"], noise_norm=guard["noise_norm"],
                        rss_train_gb=plain["rss_gb"], rss_guard_gb=guard["rss_gb"],

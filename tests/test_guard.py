@@ -30,7 +30,7 @@ def _dense_rmse(jac: torch.Tensor, delta: torch.Tensor, eps: torch.Tensor) -> to
     return solution.norm(dim=1) / jac.shape[1] ** 0.5
 
 
-@pytest.mark.parametrize("defense", ["gaussian", "rowspace", "eigen"])
+@pytest.mark.parametrize("defense", ["gaussian", "rowspace", "resolvent", "eigen"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_promise_holds_under_dense_recomputation(defense, batch):
     model, x, y, jac, g = _problem(batch)

@@ -28,6 +28,7 @@ OWN = {
     "none": {},
     "gaussian": {"input_bounds": "batch"},
     "rowspace": {"input_bounds": (-2.0, 3.0)},
+    "resolvent": {"input_bounds": (-1.5, 2.5)},
     "eigen": {"input_bounds": (-1.0, 2.0), "subspace_size": 4, "krylov_steps": 8, "gaussian_floor": 0.5},
     "auto": {"input_bounds": "batch", "subspace_size": 8, "krylov_steps": 16},
     "fixed-gaussian": {"sigma": 0.3},
@@ -48,7 +49,7 @@ def test_each_defense_takes_its_own_fields(defense):
     assert type(config) is DEFENSE_MODELS[defense] and isinstance(config, GuardConfig)
     assert config.defense == defense and config.floor == 0.2
     assert {name: getattr(config, name) for name in OWN[defense]} == OWN[defense]
-    assert isinstance(config, ThresholdGuardConfig) == (defense in ("auto", "gaussian", "rowspace", "eigen"))
+    assert isinstance(config, ThresholdGuardConfig) == (defense in ("auto", "gaussian", "rowspace", "resolvent", "eigen"))
 
 
 def test_the_default_is_auto_and_subclasses_build_directly():

@@ -188,7 +188,7 @@ def test_the_box_certificate_keeps_a_saturated_sample_certified_where_the_lipsch
     assert inside and min(inside) < 1.0 and max(inside) == 10.0
 
 
-@pytest.mark.parametrize("defense", ["gaussian", "rowspace", "eigen"])
+@pytest.mark.parametrize("defense", ["gaussian", "rowspace", "resolvent", "eigen"])
 def test_negligible_samples_are_left_out_unsolved_and_the_rest_meet_the_floor(monkeypatch, defense):
     """The negligible samples (here the share is raised so that the two smallest gradients count) are
     left out unsolved — skipped by the one-run solve, or eigen run on the other samples alone — free of

@@ -97,7 +97,8 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"
 
 @pytest.mark.parametrize("defense,products,device", [
     ("gaussian", "cached", "cpu"), ("gaussian", "direct", "cpu"), ("eigen", "direct", "cpu"),
-    ("rowspace", "cached", "cpu"), ("rowspace", "direct", "cpu"),
+    ("rowspace", "cached", "cpu"), ("rowspace", "direct", "cpu"), ("resolvent", "cached", "cpu"),
+    ("resolvent", "direct", "cpu"),
     pytest.param("gaussian", "cached", "cuda", marks=CUDA), pytest.param("gaussian", "direct", "cuda", marks=CUDA),
     pytest.param("eigen", "direct", "cuda", marks=CUDA)])
 def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f(defense, products, device, monkeypatch):

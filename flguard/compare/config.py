@@ -138,7 +138,7 @@ class _DefenseSpec(StrictModel):
     (``localdp``: LocalDpConfig's fields); ``DefenseSpec`` adds one optional field per SPEC_FIELDS."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="a label; also the run directory's name")
-    defense: Literal["none", "auto", "gaussian", "rowspace", "eigen", "fixed-gaussian", "pruning", "localdp"]
+    defense: Literal["none", "auto", "gaussian", "rowspace", "resolvent", "eigen", "fixed-gaussian", "pruning", "localdp"]
 
     def values(self) -> dict[str, Any]:
         """The fields this table sets (its defense's, the unset ones left out)."""

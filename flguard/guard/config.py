@@ -34,11 +34,11 @@ from flguard.config import ConfigError, StrictModel
 from flguard.defenses.baselines import gaussian_mechanism_std
 from flguard.risk.defaults import DEFAULT_EPS_RELATIVE
 
-DEFENSES = ("none", "auto", "gaussian", "rowspace", "eigen", "fixed-gaussian", "pruning", "localdp")
+DEFENSES = ("none", "auto", "gaussian", "rowspace", "resolvent", "eigen", "fixed-gaussian", "pruning", "localdp")
 #: The defense of ``GuardConfig()``: see AutoGuardConfig.
 DEFAULT_DEFENSE = "auto"
 #: Defenses that promise a per-sample floor (the others are baselines reported honestly).
-THRESHOLD_DEFENSES = ("auto", "gaussian", "rowspace", "eigen")
+THRESHOLD_DEFENSES = ("auto", "gaussian", "rowspace", "resolvent", "eigen")
 #: The default floor, in pixel PSNR (dB): chosen from ``benchmarks/study_floor.py`` (docs/results.md,
 #: "The default floor"): on MNIST digits a reconstruction 15 dB from the truth is at the edge of
 #: recognisable for smooth or faded errors (the trained CNN reads 63–81% of them, SSIM ≤ 0.57) and
@@ -166,7 +166,8 @@ class GuardConfig(StrictModel):
     defense does not take is an error, as in the constructor.
     """
 
-    defense: Literal["none", "auto", "gaussian", "rowspace", "eigen", "fixed-gaussian", "pruning", "localdp"] = DEFAULT_DEFENSE
+    defense: Literal["none", "auto", "gaussian", "rowspace", "resolvent", "eigen", "fixed-gaussian", "pruning",
+                     "localdp"] = DEFAULT_DEFENSE
     min_rmse: float | None = Field(None, ge=0.0, description="τ: per-sample floor on predicted RMSE (model-input "
                                    f"units); None: from max_psnr, else {DEFAULT_MAX_PSNR:g} dB ({DEFAULT_MIN_RMSE:.3g} "
                                    "for raw pixels)")
@@ -301,7 +302,7 @@ class ThresholdGuardConfig(GuardConfig):
     others are guarded as usual (``flguard.guard.exclusion``); beyond it, ``on_unmet`` applies.
     """
 
-    defense: Literal["auto", "gaussian", "rowspace", "eigen"] = DEFAULT_DEFENSE
+    defense: Literal["auto", "gaussian", "rowspace", "resolvent", "eigen"] = DEFAULT_DEFENSE
     # the defaults that send on trained models (see DEFAULT_CLIP); the baselines keep no clipping, a
     # budget relative to ‖gradient‖ and rtol 1e-3, so "none" stays the unmodified update
     clip_per_sample: float | Literal["median", "quantile"] | None = Field(
@@ -358,6 +359,14 @@ class RowspaceGuardConfig(ThresholdGuardConfig):
     defense: Literal["rowspace"] = "rowspace"
 
 
+class ResolventGuardConfig(ThresholdGuardConfig):
+    """``resolvent``: each sample's random input noise filtered by a few CG steps of (K_i+ε_iI)⁻¹, scaled to
+    unit I²F on its own sample and mapped through the Jacobians (Σ J_iᵀ(K_i+ε_iI)⁻¹z_i/ι_i), then scaled to τ
+    (``flguard.defenses.resolvent``): noise near each sample's weak directions without eigen's Lanczos run."""
+
+    defense: Literal["resolvent"] = "resolvent"
+
+
 class EigenGuardConfig(ThresholdGuardConfig):
     """``eigen``: noise aimed at each sample's weak directions (found by Lanczos), scaled to τ."""
 
@@ -408,12 +417,13 @@ class LocalDpGuardConfig(LocalDpConfig, GuardConfig):
 #: Each defense's model; ``GuardConfig(defense=d)`` builds ``DEFENSE_MODELS[d]``.
 DEFENSE_MODELS: dict[str, type[GuardConfig]] = {
     "none": NoneGuardConfig, "auto": AutoGuardConfig, "gaussian": GaussianGuardConfig, "rowspace": RowspaceGuardConfig,
-    "eigen": EigenGuardConfig,
+    "resolvent": ResolventGuardConfig, "eigen": EigenGuardConfig,
     "fixed-gaussian": FixedGaussianGuardConfig, "pruning": PruningGuardConfig, "localdp": LocalDpGuardConfig}
 assert tuple(DEFENSE_MODELS) == DEFENSES
 
 #: The same choice as a pydantic field type, discriminated on ``defense``.
-AnyGuardConfig = Annotated[Union[NoneGuardConfig, AutoGuardConfig, GaussianGuardConfig, RowspaceGuardConfig, EigenGuardConfig, FixedGaussianGuardConfig,
+AnyGuardConfig = Annotated[Union[NoneGuardConfig, AutoGuardConfig, GaussianGuardConfig, RowspaceGuardConfig, ResolventGuardConfig,
+                                 EigenGuardConfig, FixedGaussianGuardConfig,
                                  PruningGuardConfig, LocalDpGuardConfig], Field(discriminator="defense")]
 
 

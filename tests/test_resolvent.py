@@ -1,0 +1,137 @@
+"""Resolvent noise (Σ_i J_iᵀv_i/ι_i, v_i a few CG steps of (K_i+ε_iI)⁻¹z_i) against dense float64 blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from flguard import Guard
+from flguard.defenses.base import DefenseContext
+from flguard.defenses.resolvent import FILTER_STEPS, NORM_STEPS, resolvent
+from flguard.guard.config import GuardConfig
+from flguard.risk.clipped import ClippedJacobian
+from flguard.risk.operator import JacobianOperator
+from guard_settings import unclipped
+from risk_reference import dense_jacobians
+
+
+def _galerkin(matrix: torch.Tensor, rhs: torch.Tensor, steps: int) -> torch.Tensor:
+    """CG's iterate after ``steps`` steps from zero, written as what it is: the Galerkin solution of
+    matrix·x = rhs on the Krylov space span{rhs, A·rhs, …, A^(steps−1)·rhs} (an orthonormal basis by QR)."""
+    columns = [rhs]
+    for _ in range(steps - 1):
+        columns.append(matrix @ columns[-1])
+    basis, _ = torch.linalg.qr(torch.stack(columns, dim=1))
+    return basis @ torch.linalg.solve(basis.T @ matrix @ basis, basis.T @ rhs)
+
+
+def _problem(batch: int = 3, seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 3 * 3, 5)).double()
+    x, y = torch.randn(batch, 3, 5, 5, dtype=torch.float64), torch.arange(batch) % 5
+    return model, x, y
+
+
+@pytest.mark.parametrize("clipped", [False, True])
+def test_the_direction_is_the_krylov_filtered_noise_scaled_to_unit_own_i2f(clipped):
+    """Σ_i J_iᵀv_i/ι_i with v_i CG's FILTER_STEPS-step iterate for (K_i+ε_iI)v = z_i and ι_i the norm of its
+    NORM_STEPS-step iterate for (K_i+ε_iI)w = K_iv_i — written out from the dense float64 blocks (the clipped
+    operator's blocks s_iJ_iP_i with median clipping), z from the same stream."""
+    model, x, y = _problem()
+    op = JacobianOperator(model, x, y)
+    jac, _ = dense_jacobians(model, x, y)  # [B, dx, dθ]
+    if clipped:
+        per = op.per_sample_gradients()
+        norms = per.norm(dim=1)
+        clip = float(norms.median())
+        op = ClippedJacobian(op, clip)
+        unit = per / norms.unsqueeze(1)
+        scale = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
+        projection = torch.eye(op.dtheta, dtype=torch.float64) - torch.where(
+            (norms > clip).view(-1, 1, 1), unit.unsqueeze(2) * unit.unsqueeze(1), torch.zeros(1, dtype=torch.float64))
+        jac = scale.view(-1, 1, 1) * jac @ projection
+    kernel = jac @ jac.transpose(1, 2)
+    eps = 1e-2 * torch.linalg.eigvalsh(kernel)[:, -1]
+    ctx = DefenseContext(op, torch.zeros(op.dtheta, dtype=torch.float64), eps, eps / 1e-2,
+                         torch.Generator().manual_seed(4), GuardConfig(defense="resolvent"))
+    got = resolvent(ctx)
+    z = torch.randn(3, op.dx, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    expected = torch.zeros(op.dtheta, dtype=torch.float64)
+    own = []
+    for i in range(3):
+        shifted = kernel[i] + eps[i] * torch.eye(op.dx, dtype=torch.float64)
+        v = _galerkin(shifted, z[i], FILTER_STEPS)
+        own.append(_galerkin(shifted, kernel[i] @ v, NORM_STEPS).norm())
+        expected += jac[i].T @ v / own[-1]
+    torch.testing.assert_close(got.info["own_i2f"], torch.stack(own), rtol=1e-6, atol=0)
+    torch.testing.assert_close(got.vector, expected, rtol=1e-6, atol=1e-9 * float(expected.abs().max()))
+
+
+def test_resolvent_draws_from_the_guard_stream():
+    model, x, y = _problem(2)
+    op = JacobianOperator(model, x, y)
+    eps = torch.full((2,), 1e-3, dtype=torch.float64)
+
+    def draw(seed: int) -> torch.Tensor:
+        return resolvent(DefenseContext(op, torch.zeros(op.dtheta, dtype=torch.float64), eps, eps,
+                                        torch.Generator().manual_seed(seed), GuardConfig(defense="resolvent"))).vector
+    torch.testing.assert_close(draw(5), draw(5))
+    assert not torch.allclose(draw(5), draw(6))
+
+
+def test_a_sample_whose_jacobian_is_zero_gets_no_noise_of_its_own_and_an_all_zero_batch_fails():
+    """ι_i = 0 (K_i = 0) would divide by zero: that sample's part is dropped (the verification decides about it);
+    with every K_i zero there is no direction at all, and the defense says so instead of sending zeros."""
+    model, x, y = _problem(2)
+    op = JacobianOperator(model, x, y)
+    eps = torch.full((2,), 1e-3, dtype=torch.float64)
+
+    class OneDead:  # sample 1's block is zero: its products are zeroed
+        def __getattr__(self, name):
+            return getattr(op, name)
+
+        def kmv(self, u):
+            out = op.kmv(u)
+            out[1] = 0
+            return out
+
+        def jt_sum(self, u):
+            assert bool((u[1] == 0).all())  # no part of its own
+            return op.jt_sum(u)
+
+    ctx = DefenseContext(OneDead(), torch.zeros(op.dtheta, dtype=torch.float64), eps, eps,
+                         torch.Generator().manual_seed(1), GuardConfig(defense="resolvent"))
+    out = resolvent(ctx)
+    assert bool(out.vector.any()) and float(out.info["own_i2f"][1]) == 0.0
+
+    class AllDead(OneDead):
+        def kmv(self, u):
+            return torch.zeros_like(u)
+
+    with pytest.raises(RuntimeError, match="no sample's Jacobian"):
+        resolvent(DefenseContext(AllDead(), torch.zeros(op.dtheta, dtype=torch.float64), eps, eps,
+                                 torch.Generator().manual_seed(1), GuardConfig(defense="resolvent")))
+
+
+def test_resolvent_needs_less_noise_than_the_gaussian_and_than_unscaled_rowspace_noise():
+    """Where dθ ≫ dx the Gaussian wastes most of its norm in J's null space; row-space noise, summed without
+    a per-sample scale, lets the samples with the largest blocks take it. The resolvent's per-sample scale
+    (each part at unit I²F on its own sample) gives the least protected sample its share: on this batch,
+    whose samples' input scales differ by 10×, it meets the same verified floor with less noise than both."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4)).double()  # dθ = 1,348, dx = 16
+    x = torch.randn(4, 1, 4, 4, dtype=torch.float64) * torch.tensor([0.3, 1.0, 3.0, 1.0], dtype=torch.float64).view(-1, 1, 1, 1)
+    y = torch.tensor([0, 1, 2, 3])
+    g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(
+        nn.functional.cross_entropy(model(x), y), list(model.parameters()))])
+    noise = {}
+    for defense in ("gaussian", "rowspace", "resolvent"):
+        norms = []
+        for seed in range(3):
+            out = Guard(unclipped(defense=defense, min_rmse=0.05, seed=seed)).protect(model, x, y, g)
+            assert out.report.met, out.report.reason
+            norms.append(out.report.noise_norm)
+        noise[defense] = sum(norms) / len(norms)
+    assert noise["resolvent"] < 0.25 * noise["gaussian"], noise
+    assert noise["resolvent"] < 0.5 * noise["rowspace"], noise

@@ -65,25 +65,32 @@ def test_eigen_needs_less_noise_than_gaussian_and_nears_the_single_direction_lim
     assert ratio <= 3.0 * limit * batch**0.5, (ratio, limit)
 
 
-def test_auto_sends_the_gaussian_within_budget_and_aimed_noise_beyond_it():
+def test_the_default_aimed_noise_of_auto_is_eigen():
+    assert unclipped(defense="auto").fallback == "eigen"
+
+
+@pytest.mark.parametrize("fallback", ["resolvent", "eigen"])
+def test_auto_sends_the_gaussian_within_budget_and_aimed_noise_beyond_it(fallback):
     """``auto``: with a budget the calibrated Gaussian fits, the Gaussian's exact update; with one between
-    eigen's need and the Gaussian's, eigen's noise, meeting the floor under dense recomputation."""
+    the aimed noise's need and the Gaussian's, the aimed noise (``fallback``), meeting the floor under dense
+    recomputation."""
     model, x, y, jac, g = _problem(3)
     gauss = Guard(unclipped(defense="gaussian", min_rmse=TAU, seed=3)).protect(model, x, y, g)
-    wide = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3)).protect(model, x, y, g)
+    wide = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3, fallback=fallback)).protect(model, x, y, g)
     assert wide.report.met and wide.report.details["defense_used"] == "gaussian"
     torch.testing.assert_close(wide.gradient, gauss.gradient)  # the same draw from the same seeded stream
-    eigen = Guard(unclipped(defense="eigen", min_rmse=TAU, seed=3)).protect(model, x, y, g).report
-    assert eigen.rel_noise < 0.6 * gauss.report.rel_noise
-    budget = (eigen.rel_noise * gauss.report.rel_noise) ** 0.5  # between the two needs
-    out = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3, max_rel_noise=budget)).protect(model, x, y, g)
-    assert out.report.met and out.report.details["defense_used"] == "eigen" and out.report.defense == "auto"
+    aimed = Guard(unclipped(defense=fallback, min_rmse=TAU, seed=3)).protect(model, x, y, g).report
+    assert aimed.rel_noise < 0.6 * gauss.report.rel_noise
+    budget = (aimed.rel_noise * gauss.report.rel_noise) ** 0.5  # between the two needs
+    out = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3, max_rel_noise=budget, fallback=fallback)).protect(
+        model, x, y, g)
+    assert out.report.met and out.report.details["defense_used"] == fallback and out.report.defense == "auto"
     delta = out.gradient - g
     assert float(delta.norm()) <= budget * float(g.norm())
     assert torch.all(_dense_rmse(jac, delta, out.report.eps) >= TAU)
-    tight = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3, max_rel_noise=0.3 * eigen.rel_noise)).protect(
-        model, x, y, g)
-    assert tight.gradient is None and "gaussian: " in tight.report.reason and "eigen: " in tight.report.reason
+    tight = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3, max_rel_noise=0.3 * aimed.rel_noise,
+                            fallback=fallback)).protect(model, x, y, g)
+    assert tight.gradient is None and "gaussian: " in tight.report.reason and f"{fallback}: " in tight.report.reason
 
 
 def test_auto_goes_straight_to_eigen_after_the_gaussian_needed_far_more_than_the_budget(monkeypatch):
@@ -109,11 +116,11 @@ def _theta_norm(model: nn.Module) -> float:
     return float(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).norm())
 
 
-def test_auto_sends_eigen_where_the_gaussian_would_move_the_parameters_too_far():
+def test_auto_sends_aimed_noise_where_the_gaussian_would_move_the_parameters_too_far():
     """With a step size, ``auto`` sends the Gaussian only while step_size·‖noise‖ ≤ AUTO_MAX_MOVE·‖θ‖ (on a
     guard's first step the root mean square is this step's move): at half
     the step size that reaches the limit with the same seeded draw, the Gaussian's exact update; at twice it,
-    eigen's noise, meeting the floor under dense recomputation, and the report says why."""
+    the aimed (eigen) noise, meeting the floor under dense recomputation, and the report says why."""
     from flguard.guard.perturb import AUTO_MAX_MOVE
 
     model, x, y, jac, g = _problem(3)
@@ -145,14 +152,14 @@ def test_auto_averages_the_gaussians_moves_in_square_over_recent_steps():
     assert decisions == [False, False, False, True]  # √m̄²: 2%, 2%, 8.7%, 11.7%
 
 
-def test_auto_falls_back_on_the_gaussian_it_moved_too_far_when_eigen_cannot_meet_the_floor(monkeypatch):
+def test_auto_falls_back_on_the_gaussian_it_moved_too_far_when_the_aimed_noise_cannot_meet_the_floor(monkeypatch):
     """The move limit chooses between certified noises; it never withholds a step the Gaussian certified.
-    The next steps try eigen first (AUTO_SKIP_STEPS), then the Gaussian again."""
+    The next steps try the aimed noise first (AUTO_SKIP_STEPS), then the Gaussian again."""
     import flguard.guard.perturb as perturb_module
     from flguard.defenses import DIRECTIONS
 
     def failing(ctx):
-        raise RuntimeError("eigen failed here")
+        raise RuntimeError("the aimed noise failed here")
 
     monkeypatch.setitem(DIRECTIONS, "eigen", failing)
     model, x, y, jac, g = _problem(3)
@@ -161,7 +168,7 @@ def test_auto_falls_back_on_the_gaussian_it_moved_too_far_when_eigen_cannot_meet
     for out in (first, second):
         assert out.report.met and out.report.details["defense_used"] == "gaussian"
         assert torch.all(_dense_rmse(jac, out.gradient - g, out.report.eps) >= TAU)
-        assert "eigen: " in out.report.details["auto_reasons"]
+        assert "eigen: RuntimeError: the aimed noise failed here" in out.report.details["auto_reasons"]
     assert "gaussian: its noise would move" in first.report.details["auto_reasons"]
     assert "gaussian: tried last" in second.report.details["auto_reasons"]
     assert guard._perturber._skip_first == perturb_module.AUTO_SKIP_STEPS  # the second step saw it again

@@ -30,7 +30,7 @@ OWN = {
     "rowspace": {"input_bounds": (-2.0, 3.0)},
     "resolvent": {"input_bounds": (-1.5, 2.5)},
     "eigen": {"input_bounds": (-1.0, 2.0), "subspace_size": 4, "krylov_steps": 8, "gaussian_floor": 0.5},
-    "auto": {"input_bounds": "batch", "subspace_size": 8, "krylov_steps": 16},
+    "auto": {"input_bounds": "batch", "subspace_size": 8, "krylov_steps": 16, "fallback": "resolvent"},
     "fixed-gaussian": {"sigma": 0.3},
     "pruning": {"keep_ratio": 0.25},
     "localdp": {"clipping_norm": 5.0, "sensitivity": 2.0, "epsilon": 700.0, "delta": 1e-6},

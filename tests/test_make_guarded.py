@@ -213,7 +213,7 @@ def test_per_sample_clipping_and_a_psnr_floor_work_through_the_drop_in():
 ])
 def test_auto_judges_the_gaussians_move_by_an_sgd_learning_rate(make_optimizer, step_size, sent):
     """``make_guarded`` hands ``auto`` the step size of a plain SGD optimizer (its largest lr) and none for
-    others; with a step at which the Gaussian's noise would swamp the weights, eigen's noise is applied, and
+    others; with a step at which the Gaussian's noise would swamp the weights, the aimed (eigen) noise is applied, and
     it meets the floor under dense recomputation (the noise recovered from the parameter change)."""
     model = tiny_cnn()
     x, y = batch()

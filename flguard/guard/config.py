@@ -64,6 +64,11 @@ DEFAULT_MAX_PRODUCTS = 400.0
 #: CNN 3e-2 takes 13% fewer products than 1e-2 for the same accuracy). On the trained quickstart CNN (B = 32)
 #: they sent 20 of 20 steps; without them 0 of 20.
 DEFAULT_CLIP = "median"
+#: ``auto``'s aimed noise where the Gaussian is not sent (``flguard.guard.perturb.auto_order``): eigen's. Resolvent
+#: noise ("resolvent") needs a third of eigen's products on a ResNet and trained ResNet-20-GN rounds about as
+#: well, but the CNN trained from scratch by federated rounds ended 4–13 points lower with it on three seeds
+#: (docs/results.md, "Resolvent noise"): a choice for trained models where the guard's time matters, not the default.
+DEFAULT_FALLBACK = "eigen"
 DEFAULT_MAX_REL_NOISE = 40.0
 DEFAULT_MAX_EXCLUDED = 0.25
 DEFAULT_RTOL = 3e-2
@@ -378,13 +383,17 @@ class EigenGuardConfig(ThresholdGuardConfig):
 
 
 class AutoGuardConfig(EigenGuardConfig):
-    """``auto`` (the default): the calibrated Gaussian, and eigen's aimed noise (its fields) on a step
-    where the Gaussian would need more than the budget, or — with SGD's learning rate known (``make_guarded``,
-    ``guard_step(step_size=…)``) — whose noise would move the parameters by more than 10% of their norm
-    per step in root mean square over the recent steps
-    (``flguard.guard.perturb.AUTO_ORDER``, ``AUTO_MAX_MOVE``)."""
+    """``auto`` (the default): the calibrated Gaussian, and aimed noise (``fallback``: eigen's with its fields,
+    or resolvent noise) on a step where the Gaussian would need more than the budget, or — with SGD's
+    learning rate known (``make_guarded``, ``guard_step(step_size=…)``) — whose noise would move the parameters
+    by more than 10% of their norm per step in root mean square over the recent steps
+    (``flguard.guard.perturb.auto_order``, ``AUTO_MAX_MOVE``)."""
 
     defense: Literal["auto"] = "auto"
+    fallback: Literal["eigen", "resolvent"] = Field(DEFAULT_FALLBACK, description="auto: the aimed noise sent "
+                                                    "where the Gaussian is not: 'eigen' (default; its fields above) "
+                                                    "or 'resolvent' (a third of eigen's products on a ResNet; trains "
+                                                    "worse from scratch)")
 
 
 class NoneGuardConfig(GuardConfig):

@@ -13,7 +13,7 @@ import torch
 from flguard.defenses import BASELINES, DefenseContext
 from flguard.defenses.gaussian import isotropic
 from flguard.defenses.rowspace import rowspace
-from flguard.guard.config import THRESHOLD_DEFENSES, GuardConfig
+from flguard.guard.config import DEFAULT_FALLBACK, THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard.exclusion import kept_gradient, negligible_samples
 from flguard.guard.failure import GuardFailure, failure_reason
 # its PRECONDITION_CG, SOLVER_MAX_ITER and STOP_WHEN_SUFFICIENT are read at call time (tests and benchmarks set them)
@@ -45,13 +45,20 @@ SKIP_NEGLIGIBLE = True
 
 #: ``defense="auto"`` (the default): the calibrated Gaussian first — isotropic noise, one Lanczos run per
 #: sample — and, when it needs more than the budget or its noise would randomise the parameters
-#: (AUTO_MAX_MOVE), noise aimed at the samples' weak directions (eigen), which needs far less of it where
-#: the parameters outnumber the inputs: on the trained ResNet-20-GN at
-#: B = 8 the Gaussian needed 54–663 C and sent 0 of 5 steps, eigen 5 of 5 (docs/results.md, "The guard on
-#: the models practitioners train"). Row-space noise (``rowspace``) sends there too at a quarter of eigen's
-#: products, but a 5-step round on that ResNet ended at 49% accuracy against eigen's 62% (unguarded 67.5%),
-#: so it is an explicit choice, not auto's (docs/results.md, "Row-space noise").
-AUTO_ORDER = ("gaussian", "eigen")
+#: (AUTO_MAX_MOVE), noise aimed at the samples' weak directions (the config's ``fallback``: ``eigen`` by
+#: default, or ``resolvent``), which needs far less of it where the parameters outnumber the inputs: on the
+#: trained ResNet-20-GN at B = 8 the Gaussian needed 54–663 C and sent 0 of 5 steps, eigen 5 of 5
+#: (docs/results.md, "The guard on the models practitioners train"); resolvent noise sends there at a third of
+#: eigen's products and trains those rounds about as well, but trains the CNN from scratch worse
+#: (docs/results.md, "Resolvent noise"). Row-space noise (``rowspace``, the filtered noise
+#: without the per-sample scale) sends too, but a 5-step round on that ResNet ended at 49% accuracy against
+#: eigen's 62% (unguarded 67.5%), so it is an explicit choice, not auto's (docs/results.md, "Row-space noise").
+AUTO_FIRST = "gaussian"
+
+
+def auto_order(config: GuardConfig) -> tuple[str, str]:
+    """``auto``'s kinds in the order tried: the Gaussian, then the config's aimed ``fallback``."""
+    return AUTO_FIRST, getattr(config, "fallback", DEFAULT_FALLBACK)
 #: ``auto`` reuses what a step learnt: when its first kind needed more than AUTO_SKIP_FACTOR × the budget,
 #: or its moves exceeded AUTO_MAX_MOVE, the next AUTO_SKIP_STEPS steps try the next kind first (the model
 #: moves little from one step to the next; every kind still verifies its own floor, so the order only
@@ -83,7 +90,7 @@ class Perturber:
 
     def __init__(self, config: GuardConfig) -> None:
         self.config = config
-        self._skip_first = 0  # auto: steps left that skip AUTO_ORDER's first kind (AUTO_SKIP_STEPS)
+        self._skip_first = 0  # auto: steps left that skip auto_order's first kind (AUTO_SKIP_STEPS)
         self._move_square: float | None = None  # auto: the Gaussian's mean square move (AUTO_MAX_MOVE)
 
     def perturb(self, op: Jacobian, flat: torch.Tensor, clip: float | None, generator: torch.Generator,
@@ -174,16 +181,17 @@ class Perturber:
 
     def _auto(self, op: Jacobian, flat: torch.Tensor, clip: float | None, generator: torch.Generator,
               move_scale: float | None) -> Outcome:
-        """``auto``: each of AUTO_ORDER in turn on the same operator (its products count against the
+        """``auto``: each of ``auto_order`` in turn on the same operator (its products count against the
         same step limit) until one meets the floor within the budget — the first, isotropic kind only
         while its moves stay within AUTO_MAX_MOVE (``_moved_too_far``), else kept as the fallback; the
         last one's outcome when none met. The report's details name the one that was sent
         (``defense_used``) and why the others were not (``auto_reasons``)."""
-        reasons, order, fallback, outcome = [], AUTO_ORDER, None, None
+        reasons, order, fallback, outcome = [], auto_order(self.config), None, None
+        first = order[0]
         if self._skip_first > 0:
             self._skip_first -= 1
-            order = AUTO_ORDER[1:] + AUTO_ORDER[:1]
-            reasons.append(f"{AUTO_ORDER[0]}: tried last (within the last {AUTO_SKIP_STEPS} steps it needed over "
+            order = order[1:] + order[:1]
+            reasons.append(f"{first}: tried last (within the last {AUTO_SKIP_STEPS} steps it needed over "
                            f"{AUTO_SKIP_FACTOR:g}× the budget or its moves exceeded {AUTO_MAX_MOVE:.0%})")
         for kind in order:
             try:
@@ -194,7 +202,7 @@ class Perturber:
                 continue
             outcome.info["defense_used"] = kind
             noise = float(outcome.noise.norm())
-            far = kind == AUTO_ORDER[0] and outcome.met and self._moved_too_far(noise, move_scale)
+            far = kind == first and outcome.met and self._moved_too_far(noise, move_scale)
             if outcome.met and not far:
                 return _noted(outcome, reasons)
             if outcome.met:
@@ -204,7 +212,7 @@ class Perturber:
                                f"{AUTO_MAX_MOVE:.0%})")
             else:
                 reasons.append(f"{kind}: {outcome.reason}")
-            if kind == AUTO_ORDER[0] and (far or noise > AUTO_SKIP_FACTOR * noise_budget(flat, self.config, clip)):
+            if kind == first and (far or noise > AUTO_SKIP_FACTOR * noise_budget(flat, self.config, clip)):
                 self._skip_first = AUTO_SKIP_STEPS
         if fallback is not None:
             return _noted(fallback, reasons)

@@ -13,9 +13,11 @@ the spectrum rather than a few resolved ones — and a polynomial of low degree 
 large-θ directions that buy little I²F per unit of noise. What makes it work is the per-sample scale
 ι_i (as eigen's normalisation to unit estimated I²F): without it the samples whose K_i is largest take
 the noise and the least protected sample gets little (``rowspace``, which sums the filtered noise
-unscaled). Measured on trained ResNet-20-GN batches (B = 8; docs/results.md, "Resolvent noise"): the
-least protected sample's I²F per unit of noise 1.0–1.5× eigen's at 3 + 1 + 3 products per sample
-for the direction, where eigen spends 64. The direction only shapes the noise; the guard scales it to
+unscaled). Measured (docs/results.md, "Resolvent noise"): on trained ResNet-20-GN batches (B = 8) the
+least protected sample's I²F per unit of noise 0.77–1.8× eigen's at 3 + 1 + 3 K products per sample for
+the direction, where eigen spends 64; guarded rounds of trained ResNets about as accurate as eigen's at a third
+of its time; but the CNN trained from scratch by federated rounds ended 1.4–13 points lower than with eigen, so
+``auto`` keeps eigen unless ``fallback="resolvent"``. The direction only shapes the noise; the guard scales it to
 the floor and verifies every sample on the noise sent, as for every other direction.
 """
 
@@ -27,8 +29,9 @@ from flguard.defenses.base import DefenseContext, Direction
 from flguard.risk.regularised import RegularisedK
 
 #: CG steps of the filter v_i ≈ (K_i+ε_iI)⁻¹z_i and of the estimate ι_i ≈ ‖(K_i+ε_iI)⁻¹K_iv_i‖. Measured
-#: (docs/results.md, "Resolvent noise"): 2, 3 and 5 filter steps gave the same least-sample I²F per unit
-#: noise within the draws' spread; the estimate with 3 steps was within 10% of a solve to 1%.
+#: (docs/results.md, "Resolvent noise"; ``benchmarks/study_aimed_noise.py``): 2, 3 and 5 filter steps gave the
+#: same least-sample I²F per unit noise within the draws' spread; ι_i solved to 1% gained up to 15% at 2.5× the
+#: direction's products.
 FILTER_STEPS, NORM_STEPS = 3, 3
 
 

@@ -66,7 +66,7 @@ DEFAULT_MAX_PRODUCTS = 400.0
 DEFAULT_CLIP = "median"
 #: ``auto``'s aimed noise where the Gaussian is not sent (``flguard.guard.perturb.auto_order``): eigen's. Resolvent
 #: noise ("resolvent") needs a third of eigen's products on a ResNet and trained ResNet-20-GN rounds about as
-#: well, but the CNN trained from scratch by federated rounds ended 4–13 points lower with it on three seeds
+#: well, but the CNN trained from scratch by federated rounds ended 1.4–13 points lower with it on three seeds
 #: (docs/results.md, "Resolvent noise"): a choice for trained models where the guard's time matters, not the default.
 DEFAULT_FALLBACK = "eigen"
 DEFAULT_MAX_REL_NOISE = 40.0

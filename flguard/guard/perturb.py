@@ -55,10 +55,6 @@ SKIP_NEGLIGIBLE = True
 #: eigen's 62% (unguarded 67.5%), so it is an explicit choice, not auto's (docs/results.md, "Row-space noise").
 AUTO_FIRST = "gaussian"
 
-
-def auto_order(config: GuardConfig) -> tuple[str, str]:
-    """``auto``'s kinds in the order tried: the Gaussian, then the config's aimed ``fallback``."""
-    return AUTO_FIRST, getattr(config, "fallback", DEFAULT_FALLBACK)
 #: ``auto`` reuses what a step learnt: when its first kind needed more than AUTO_SKIP_FACTOR × the budget,
 #: or its moves exceeded AUTO_MAX_MOVE, the next AUTO_SKIP_STEPS steps try the next kind first (the model
 #: moves little from one step to the next; every kind still verifies its own floor, so the order only
@@ -81,6 +77,11 @@ AUTO_SKIP_STEPS = 8
 #: round at 8× the Gaussian's products and 1.9 points less accuracy.
 AUTO_MAX_MOVE = 0.10
 AUTO_MOVE_STEPS = 8
+
+
+def auto_order(config: GuardConfig) -> tuple[str, str]:
+    """``auto``'s kinds in the order tried: the Gaussian, then the config's aimed ``fallback``."""
+    return AUTO_FIRST, getattr(config, "fallback", DEFAULT_FALLBACK)
 
 
 class Perturber:

@@ -10,10 +10,10 @@ from flguard.defenses.base import DefenseContext, Direction, draw_generator
 from flguard.defenses.baselines import BASELINES
 from flguard.defenses.eigen import eigen_direction
 from flguard.defenses.gaussian import gaussian_direction
-from flguard.defenses.resolvent import resolvent_direction
+from flguard.defenses.resolvent import resolvent
 from flguard.defenses.rowspace import rowspace_direction
 
-DIRECTIONS = {"gaussian": gaussian_direction, "rowspace": rowspace_direction, "resolvent": resolvent_direction,
+DIRECTIONS = {"gaussian": gaussian_direction, "rowspace": rowspace_direction, "resolvent": resolvent,
               "eigen": eigen_direction}
 
 __all__ = ["DefenseContext", "Direction", "draw_generator", "DIRECTIONS", "BASELINES"]

@@ -52,5 +52,3 @@ def resolvent(ctx: DefenseContext) -> Direction:
         raise RuntimeError("resolvent noise: the samples' Jacobians map the filtered noise to zero or non-finite values")
     return Direction(vector, {"kind": "resolvent", "own_i2f": own})
 
-
-resolvent_direction = resolvent

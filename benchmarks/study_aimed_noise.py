@@ -8,8 +8,11 @@ the median, and the K products per sample the direction itself took (the floor's
 same for all, is not counted, nor is the guard's λmax Lanczos run, 5–7 steps, which resolvent noise reads ε
 from; eigen's count is its whole run, row-space noise counts its own). Directions: the isotropic Gaussian; eigen (``flguard.defenses.eigen``, Ritz directions
 from ``--krylov-steps`` Lanczos steps); row-space noise (``flguard.defenses.rowspace``: the filtered noise
-summed without a per-sample scale); resolvent noise (``flguard.defenses.resolvent``) with 2, 3 and 5 filter
-steps, its per-sample scale ι_i from NORM_STEPS CG steps as shipped and from a solve to 1%.
+summed without a per-sample scale); resolvent noise (``flguard.defenses.resolvent.krylov_resolvent``) with v_i
+on the first k steps of an n-step Lanczos run and ι_i on all n (the shipped FILTER_STEPS and NORM_STEPS are k = 6,
+n = 9; the guard's λmax run, 5–7 steps on a ResNet-20-GN, goes on to n, so the count here is the run's, which the
+guard spends partly for λmax anyway), and ι_i solved to 1%. Samples the guard leaves out unsolved (negligible gradients,
+``flguard.guard.exclusion``) are left out here too.
 
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python study_aimed_noise.py --model resnet20_gn --batch 8 --batches 3
 """
@@ -21,12 +24,12 @@ import argparse
 import torch
 
 from bench_guard_models import trained_batches
-from flguard.defenses import resolvent as resolvent_module
 from flguard.defenses.base import DefenseContext
 from flguard.defenses.eigen import eigen_direction
-from flguard.defenses.resolvent import resolvent
+from flguard.defenses.resolvent import krylov_resolvent
 from flguard.defenses.rowspace import rowspace
 from flguard.guard.config import GuardConfig
+from flguard.guard.exclusion import negligible_samples
 from flguard.risk.assess import i2f_solve
 from flguard.risk.clipped import ClippedJacobian
 from flguard.risk.operator import JacobianOperator
@@ -62,7 +65,10 @@ def main() -> None:
     for seed, x, y, _ in batches:
         base = JacobianOperator(model, x, y)
         op = ClippedJacobian(base, float(base.per_sample_gradients().norm(dim=1).median()))
-        batch = x.shape[0]
+        free = negligible_samples(op)
+        if bool(free.any()) and not bool(free.all()):
+            op = op.restricted((~free).nonzero().squeeze(1))
+        batch = op.batch_size
         spectrum = RegularisedK(op).lanczos(rtol=0.03, ends="max", min_iter=args.krylov_steps,
                                             max_iter=args.krylov_steps, return_vectors=True, seed=seed)
         eps = 1e-2 * spectrum.lambda_max
@@ -87,22 +93,22 @@ def main() -> None:
         row(f"eigen, {args.krylov_steps} Lanczos steps", eigen_direction(context(0)).vector, float(args.krylov_steps))
         for draw in range(args.draws):
             row(f"rowspace, draw {draw}", *counted(lambda: rowspace(op, context(draw).generator, 1e-2).vector))
-        for steps in (2, 3, 5):
-            resolvent_module.FILTER_STEPS = steps
+        for filter_steps, steps in ((3, 3), (3, 6), (6, 6), (6, 9), (6, 12), (12, 12)):
             for draw in range(args.draws):
-                row(f"resolvent, {steps} filter steps, draw {draw}", *counted(lambda: resolvent(context(draw)).vector))
-        resolvent_module.FILTER_STEPS = 3
-        for draw in range(args.draws):
-            row(f"resolvent, 3 steps, ι_i solved to 1%, draw {draw}", *counted(lambda: _solved_scale(op, context(draw))))
+                run = RegularisedK(op).lanczos(rtol=0.0, min_iter=steps, max_iter=steps, seed=1000 * seed + draw)
+                row(f"resolvent, v on {filter_steps} of a {steps}-step run, draw {draw}",
+                    _resolvent(op, run, eps, filter_steps), float(steps))
+                if (filter_steps, steps) == (6, 9):
+                    row(f"resolvent, v on 6 steps, ι_i solved to 1%, draw {draw}",
+                        *counted(lambda: _resolvent(op, run, eps, filter_steps, solved=True)))
 
 
-def _solved_scale(op, ctx: DefenseContext) -> torch.Tensor:
-    """Resolvent noise with each sample's scale ι_i = ‖(K_i+ε_iI)⁻¹K_iv_i‖ solved to 1% instead of NORM_STEPS
-    CG steps (the same draw of z as ``resolvent`` from the same generator state)."""
-    z = torch.randn(op.batch_size, op.dx, generator=ctx.generator, dtype=op.dtype, device=op.device)
-    regularised = RegularisedK(op, ctx.eps)
-    filtered = regularised.solve(z, rtol=0.0, max_iter=resolvent_module.FILTER_STEPS).solution
-    own = regularised.solve(RegularisedK(op).matvec(filtered), rtol=1e-2).solution.norm(dim=1)
+def _resolvent(op, run, eps: torch.Tensor, filter_steps: int, solved: bool = False) -> torch.Tensor:
+    """``flguard.defenses.resolvent``'s direction on ``run`` with v_i on its first ``filter_steps`` vectors and
+    ι_i on all of them (as shipped) or, ``solved``, ι_i = ‖(K_i+ε_iI)⁻¹K_iv_i‖ solved to 1%."""
+    filtered, own = krylov_resolvent(run, eps, filter_steps)
+    if solved:
+        own = RegularisedK(op, eps).solve(RegularisedK(op).matvec(filtered), rtol=1e-2).solution.norm(dim=1)
     return op.jt_sum(filtered / own.unsqueeze(1))
 
 

@@ -1,4 +1,5 @@
-"""Resolvent noise (Σ_i J_iᵀv_i/ι_i, v_i a few CG steps of (K_i+ε_iI)⁻¹z_i) against dense float64 blocks."""
+"""Resolvent noise (Σ_i J_iᵀv_i/ι_i, v_i ≈ (K_i+ε_iI)⁻¹z_i on a Lanczos run's Krylov space) against dense float64
+blocks."""
 
 from __future__ import annotations
 
@@ -12,17 +13,21 @@ from flguard.defenses.resolvent import FILTER_STEPS, NORM_STEPS, resolvent
 from flguard.guard.config import GuardConfig
 from flguard.risk.clipped import ClippedJacobian
 from flguard.risk.operator import JacobianOperator
+from flguard.risk.regularised import RegularisedK
 from guard_settings import unclipped
 from risk_reference import dense_jacobians
 
 
-def _galerkin(matrix: torch.Tensor, rhs: torch.Tensor, steps: int) -> torch.Tensor:
-    """CG's iterate after ``steps`` steps from zero, written as what it is: the Galerkin solution of
-    matrix·x = rhs on the Krylov space span{rhs, A·rhs, …, A^(steps−1)·rhs} (an orthonormal basis by QR)."""
-    columns = [rhs]
+def _krylov_basis(matrix: torch.Tensor, start: torch.Tensor, steps: int) -> torch.Tensor:
+    """An orthonormal basis (QR) of span{z, Az, …, A^(steps−1)z}."""
+    columns = [start]
     for _ in range(steps - 1):
         columns.append(matrix @ columns[-1])
-    basis, _ = torch.linalg.qr(torch.stack(columns, dim=1))
+    return torch.linalg.qr(torch.stack(columns, dim=1))[0]
+
+
+def _galerkin(matrix: torch.Tensor, rhs: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """The Galerkin solution of matrix·x = rhs on span(basis): CG's iterate, when the basis is rhs's Krylov space."""
     return basis @ torch.linalg.solve(basis.T @ matrix @ basis, basis.T @ rhs)
 
 
@@ -34,10 +39,13 @@ def _problem(batch: int = 3, seed: int = 0):
 
 
 @pytest.mark.parametrize("clipped", [False, True])
-def test_the_direction_is_the_krylov_filtered_noise_scaled_to_unit_own_i2f(clipped):
-    """Σ_i J_iᵀv_i/ι_i with v_i CG's FILTER_STEPS-step iterate for (K_i+ε_iI)v = z_i and ι_i the norm of its
-    NORM_STEPS-step iterate for (K_i+ε_iI)w = K_iv_i — written out from the dense float64 blocks (the clipped
-    operator's blocks s_iJ_iP_i with median clipping), z from the same stream."""
+@pytest.mark.parametrize("run", ["own", "guard"])
+def test_the_direction_is_the_krylov_filtered_noise_scaled_to_unit_own_i2f(clipped, run):
+    """Σ_i J_iᵀv_i/ι_i with v_i the Galerkin solution of (K_i+ε_iI)v = z_i on the FILTER_STEPS-dimensional Krylov
+    space of K_i from z_i (CG's iterate) and ι_i the norm of the Galerkin solution of (K_i+ε_iI)w = K_iv_i on the
+    whole run's Krylov space — written out from the dense float64 blocks (the clipped operator's blocks s_iJ_iP_i
+    with median clipping). ``own``: the defense's own run of FILTER_STEPS + NORM_STEPS steps, z from the guard's
+    stream; ``guard``: a longer λmax run handed over as the guard does (``DefenseContext.spectrum``), z its start."""
     model, x, y = _problem()
     op = JacobianOperator(model, x, y)
     jac, _ = dense_jacobians(model, x, y)  # [B, dx, dθ]
@@ -53,19 +61,51 @@ def test_the_direction_is_the_krylov_filtered_noise_scaled_to_unit_own_i2f(clipp
         jac = scale.view(-1, 1, 1) * jac @ projection
     kernel = jac @ jac.transpose(1, 2)
     eps = 1e-2 * torch.linalg.eigvalsh(kernel)[:, -1]
+    spectrum, steps = None, FILTER_STEPS + NORM_STEPS
+    if run == "guard":
+        steps = FILTER_STEPS + NORM_STEPS + 4
+        spectrum = RegularisedK(op).lanczos(rtol=0.0, min_iter=steps, max_iter=steps, seed=11)
+        start = spectrum.basis[:, 0]
+    else:
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(4)))
+        start = torch.randn(3, op.dx, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        start = start / start.norm(dim=1, keepdim=True)
     ctx = DefenseContext(op, torch.zeros(op.dtheta, dtype=torch.float64), eps, eps / 1e-2,
-                         torch.Generator().manual_seed(4), GuardConfig(defense="resolvent"))
+                         torch.Generator().manual_seed(4), GuardConfig(defense="resolvent"), spectrum=spectrum)
     got = resolvent(ctx)
-    z = torch.randn(3, op.dx, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     expected = torch.zeros(op.dtheta, dtype=torch.float64)
     own = []
     for i in range(3):
         shifted = kernel[i] + eps[i] * torch.eye(op.dx, dtype=torch.float64)
-        v = _galerkin(shifted, z[i], FILTER_STEPS)
-        own.append(_galerkin(shifted, kernel[i] @ v, NORM_STEPS).norm())
+        v = _galerkin(shifted, start[i], _krylov_basis(kernel[i], start[i], FILTER_STEPS))
+        own.append(_galerkin(shifted, kernel[i] @ v, _krylov_basis(kernel[i], start[i], steps)).norm())
         expected += jac[i].T @ v / own[-1]
+    assert got.info["lanczos_steps"] == steps
     torch.testing.assert_close(got.info["own_i2f"], torch.stack(own), rtol=1e-6, atol=0)
     torch.testing.assert_close(got.vector, expected, rtol=1e-6, atol=1e-9 * float(expected.abs().max()))
+
+
+def test_the_guard_hands_its_lambda_max_run_over_and_the_direction_costs_one_transposed_product():
+    """In the guard the filter comes from the λmax run (at least FILTER_STEPS + NORM_STEPS steps): the resolvent
+    step spends the run, one summed Jᵀ product and the floor's solve — no run or solve of its own."""
+    model, x, y = _problem(4)
+    g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(
+        nn.functional.cross_entropy(model(x), y), list(model.parameters()))])
+    calls = []
+    original = resolvent.__globals__["RegularisedK"].lanczos
+
+    def counted(self, **kwargs):
+        calls.append(kwargs)
+        return original(self, **kwargs)
+
+    resolvent.__globals__["RegularisedK"].lanczos = counted
+    try:
+        out = Guard(unclipped(defense="resolvent", min_rmse=0.05, seed=0)).protect(model, x, y, g)
+    finally:
+        resolvent.__globals__["RegularisedK"].lanczos = original
+    assert out.report.met, out.report.reason
+    assert len(calls) == 1 and calls[0]["min_iter"] == FILTER_STEPS + NORM_STEPS  # the guard's run only
+    assert out.report.details["lanczos_steps"] >= FILTER_STEPS + NORM_STEPS
 
 
 def test_resolvent_draws_from_the_guard_stream():

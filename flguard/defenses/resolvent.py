@@ -1,9 +1,13 @@
-"""Resolvent noise: each sample's random input noise filtered by a few CG steps of (K_i+ε_iI)⁻¹, each
+"""Resolvent noise: each sample's random input noise filtered by (K_i+ε_iI)⁻¹ on a short Krylov space, each
 sample's part scaled to unit I²F on its own sample, carried to the update through the Jacobians.
 
-δ = Σ_i J_iᵀv_i/ι_i, v_i = p(K_i)z_i ≈ (K_i+ε_iI)⁻¹z_i (``FILTER_STEPS`` CG steps from zero, so p is a
-polynomial of degree FILTER_STEPS − 1), z_i ~ N(0, I_dx) fresh per sample and step, and
-ι_i ≈ ‖(K_i+ε_iI)⁻¹K_iv_i‖ — the I²F that sample i's own part causes on sample i (``NORM_STEPS`` CG steps).
+δ = Σ_i J_iᵀv_i/ι_i, v_i ≈ (K_i+ε_iI)⁻¹z_i and ι_i ≈ ‖(K_i+ε_iI)⁻¹K_iv_i‖ — the I²F that sample i's own part
+causes on sample i — both taken on the Krylov space of a Lanczos run on K_i started at z_i (z_i ~ N(0, I_dx)
+up to its norm, fresh per sample and step; K_i's Krylov spaces do not depend on the shift ε_i): v_i is CG's
+``FILTER_STEPS``-th iterate, Q_i(T_i+ε_iI)⁻¹e₁ on the run's first vectors, and ι_i the Galerkin solution's norm on
+``NORM_STEPS`` more (``krylov_resolvent``). The run is the guard's own λmax run, which then goes on to that many
+steps (``DefenseContext.spectrum``; ε_i is read off that very run), so the direction costs the run's extra steps
+and one summed Jᵀ product for δ; without it the defense runs one of its own.
 
 Why: along the eigenvector u_j of K_i (eigenvalue θ_j) noise of unit norm moves sample i's best
 reconstruction by the regularised gain √θ_j/(θ_j+ε), largest at θ_j = ε. Eigen finds directions near
@@ -14,11 +18,11 @@ large-θ directions that buy little I²F per unit of noise. What makes it work i
 ι_i (as eigen's normalisation to unit estimated I²F): without it the samples whose K_i is largest take
 the noise and the least protected sample gets little (``rowspace``, which sums the filtered noise
 unscaled). Measured (docs/results.md, "Resolvent noise"): on trained ResNet-20-GN batches (B = 8) the
-least protected sample's I²F per unit of noise 0.77–1.8× eigen's at 3 + 1 + 3 K products per sample for
-the direction, where eigen spends 64; guarded rounds of trained ResNets about as accurate as eigen's at a third
-of its time; but the CNN trained from scratch by federated rounds ended 1.4–13 points lower than with eigen, so
-``auto`` keeps eigen unless ``fallback="resolvent"``. The direction only shapes the noise; the guard scales it to
-the floor and verifies every sample on the noise sent, as for every other direction.
+least protected sample's I²F per unit of noise 0.77–1.8× eigen's; guarded rounds of trained ResNets about as
+accurate as eigen's at a third of its time (before the direction came from the λmax run: a fifth now); but the
+CNN trained from scratch by federated rounds ended 1.4–13 points lower than with eigen, so ``auto`` keeps eigen
+unless ``fallback="resolvent"``. The direction only shapes the noise; the guard scales it to the floor and
+verifies every sample on the noise sent, as for every other direction.
 """
 
 from __future__ import annotations
@@ -26,22 +30,25 @@ from __future__ import annotations
 import torch
 
 from flguard.defenses.base import DefenseContext, Direction
+from flguard.risk.lanczos import LanczosResult
 from flguard.risk.regularised import RegularisedK
 
-#: CG steps of the filter v_i ≈ (K_i+ε_iI)⁻¹z_i and of the estimate ι_i ≈ ‖(K_i+ε_iI)⁻¹K_iv_i‖. Measured
-#: (docs/results.md, "Resolvent noise"; ``benchmarks/study_aimed_noise.py``): 2, 3 and 5 filter steps gave the
-#: same least-sample I²F per unit noise within the draws' spread; ι_i solved to 1% gained up to 15% at 2.5× the
-#: direction's products.
-FILTER_STEPS, NORM_STEPS = 3, 3
+#: The filter's Krylov steps (v_i: CG's FILTER_STEPS-th iterate) and the further steps that refine ι_i: the
+#: guard's λmax run goes on to FILTER_STEPS + NORM_STEPS steps at least (a direction without that run takes a
+#: run of its own that long); a longer run filters on its first FILTER_STEPS. Measured (docs/results.md,
+#: "Resolvent noise from the λmax run"; ``benchmarks/study_aimed_noise.py``).
+FILTER_STEPS, NORM_STEPS = 6, 3
 
 
 def resolvent(ctx: DefenseContext) -> Direction:
     """Σ_i J_iᵀv_i/ι_i (module doc) on the step's (clipped) operator at the guard's ε_i."""
     op = ctx.op
-    z = torch.randn(op.batch_size, op.dx, generator=ctx.generator, dtype=op.dtype, device=op.device)
-    regularised = RegularisedK(op, ctx.eps)
-    filtered = regularised.solve(z, rtol=0.0, max_iter=FILTER_STEPS).solution
-    own = regularised.solve(RegularisedK(op).matvec(filtered), rtol=0.0, max_iter=NORM_STEPS).solution.norm(dim=1)
+    run = ctx.spectrum
+    steps = FILTER_STEPS + NORM_STEPS
+    if run is None or run.coordinates is None or run.basis.shape[1] < min(steps, op.dx):
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=ctx.generator))
+        run = RegularisedK(op).lanczos(rtol=0.0, min_iter=steps, max_iter=steps, seed=seed)
+    filtered, own = krylov_resolvent(run, ctx.eps, FILTER_STEPS)
     usable = torch.isfinite(own) & (own > 0) & torch.isfinite(filtered).all(dim=1)
     if not bool(usable.any()):
         raise RuntimeError("resolvent noise: no sample's Jacobian moves its recovery (every K_i zero or non-finite)")
@@ -50,5 +57,33 @@ def resolvent(ctx: DefenseContext) -> Direction:
     vector = op.jt_sum(torch.where(usable.unsqueeze(1), filtered, torch.zeros_like(filtered)) * weights.unsqueeze(1))
     if not bool(torch.isfinite(vector).all()) or not bool(vector.any()):
         raise RuntimeError("resolvent noise: the samples' Jacobians map the filtered noise to zero or non-finite values")
-    return Direction(vector, {"kind": "resolvent", "own_i2f": own})
+    return Direction(vector, {"kind": "resolvent", "own_i2f": own, "lanczos_steps": float(run.basis.shape[1])})
 
+
+def krylov_resolvent(run: LanczosResult, eps: torch.Tensor,
+                     filter_steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(v_i [B, dx], ι_i [B]) from a Lanczos run of m steps on K_i (basis Q_i, first vector the start;
+    T_i = S_iΘ_iS_iᵀ from ``coordinates`` and Ritz values): v_i = Q_i[:k]·(T_i[:k, :k]+ε_iI)⁻¹e₁ on the first
+    k = ``filter_steps`` (default m) vectors — CG's k-th iterate — and ι_i = ‖(T_i+ε_iI)⁻¹T_i[:, :k]y_i‖, the
+    Galerkin solution on all m vectors of (K_i+ε_iI)w = K_iv_i. For k < m, K_iv_i = Q_iT_i[:, :k]y_i exactly (the
+    Lanczos relation), so the m − k further steps refine ι_i as that many CG steps from K_iv_i would (their Krylov
+    space lies inside Q_i's); for k = m the part of K_iv_i beyond the run is dropped. A zero block (T_i = 0) gives
+    ι_i = 0, and ε_i = 0 there non-finite values; the caller drops such a sample's part."""
+    basis, m = run.basis, run.basis.shape[1]
+    k = m if filter_steps is None else min(filter_steps, m)
+    theta = run.ritz_values.clamp_min(0.0)  # K_i is PSD: a negative Ritz value is rounding
+    tridiagonal = torch.einsum("bij,bj,bkj->bik", run.coordinates, theta, run.coordinates)
+    start = torch.zeros(basis.shape[0], k, dtype=basis.dtype, device=basis.device)
+    start[:, 0] = 1.0
+    y = _shifted_solve(tridiagonal[:, :k, :k], eps, start)
+    filtered = torch.einsum("bkn,bk->bn", basis[:, :k], y)
+    own = _shifted_solve(tridiagonal, eps, torch.einsum("bik,bk->bi", tridiagonal[:, :, :k], y)).norm(dim=1)
+    return filtered, own
+
+
+def _shifted_solve(matrix: torch.Tensor, eps: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """(matrix_i + ε_iI)⁻¹rhs_i for small symmetric PSD matrices [B, k, k], through their eigenvalues (clamped at
+    zero): never raises; a singular shifted matrix gives non-finite values."""
+    values, vectors = torch.linalg.eigh(matrix)
+    inverse = 1.0 / (values.clamp_min(0.0) + eps.unsqueeze(1))
+    return torch.einsum("bij,bj,bkj,bk->bi", vectors, inverse, vectors, rhs)

@@ -12,6 +12,7 @@ import torch
 
 from flguard.defenses import BASELINES, DefenseContext
 from flguard.defenses.gaussian import isotropic
+from flguard.defenses.resolvent import FILTER_STEPS, NORM_STEPS
 from flguard.defenses.rowspace import rowspace
 from flguard.guard.config import DEFAULT_FALLBACK, THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard.exclusion import kept_gradient, negligible_samples
@@ -112,7 +113,8 @@ class Perturber:
         lanczos_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=flat.device))
         if one_run:
             return self._in_one_run(kind, op, flat, clip, generator, lanczos_seed)
-        spectrum = RegularisedK(op).lanczos(rtol=cfg.rtol, ends="max", min_iter=cfg.krylov_steps if eigen else 0,
+        # eigen chooses among the run's Ritz directions, resolvent filters its start vector on its Krylov space
+        spectrum = RegularisedK(op).lanczos(rtol=cfg.rtol, ends="max", min_iter=_krylov_steps(kind, cfg),
                                             max_iter=max(floor.SOLVER_MAX_ITER, cfg.krylov_steps if eigen else 0),
                                             return_vectors=eigen or floor.PRECONDITION_CG, seed=lanczos_seed)
         if not bool(spectrum.converged.all()):
@@ -249,6 +251,14 @@ def _left_out_unsolved(op: Jacobian, cfg: GuardConfig) -> torch.Tensor | None:
         return None
     free = negligible_samples(op)
     return free if bool(free.any()) and not bool(free.all()) else None
+
+
+def _krylov_steps(kind: str, cfg: GuardConfig) -> int:
+    """The λmax run's length at least: eigen's ``krylov_steps`` (its subspace to choose from), resolvent's
+    ``FILTER_STEPS`` + ``NORM_STEPS`` (its filter and its scale), else none beyond convergence."""
+    if kind == "eigen":
+        return cfg.krylov_steps
+    return FILTER_STEPS + NORM_STEPS if kind == "resolvent" else 0
 
 
 def _zeros(op: Jacobian, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -23,7 +23,9 @@ Matvec = Callable[[torch.Tensor], torch.Tensor]
 @dataclass
 class LanczosResult:
     """Ritz values (ascending) [B, m], optional Ritz vectors [B, m, n], the orthonormal Lanczos
-    basis [B, m, n] (so Σ ritz_values = tr(QᵀAQ)), and convergence facts."""
+    basis Q [B, m, n] (so Σ ritz_values = tr(QᵀAQ)), convergence facts, and the Ritz vectors' coordinates
+    in that basis [B, m, m] (the eigenvectors S of T = QᵀAQ, column j for Ritz value j: a function of A
+    on the Krylov space, Q·S·f(Θ)·Sᵀ·Qᵀ, without forming Ritz vectors)."""
 
     ritz_values: torch.Tensor
     ritz_vectors: torch.Tensor | None
@@ -32,6 +34,7 @@ class LanczosResult:
     converged: torch.Tensor
     iterations: int
     matvecs: int
+    coordinates: torch.Tensor | None = None
 
     @property
     def lambda_max(self) -> torch.Tensor:
@@ -108,7 +111,7 @@ def lanczos(matvec: Matvec, batch: int, dim: int, *, like: torch.Tensor, rtol: f
         basis = torch.cat([basis, q.unsqueeze(1)], dim=1)
     vectors = torch.einsum("bmn,bmk->bkn", basis, s) if return_vectors else None
     converged = done if step < dim else torch.ones_like(done)
-    return LanczosResult(theta, vectors, basis, residuals, converged, step, step)
+    return LanczosResult(theta, vectors, basis, residuals, converged, step, step, s)
 
 
 def _ends_converged(residuals: torch.Tensor, theta_min: torch.Tensor, scale: torch.Tensor, rtol: float,

@@ -366,7 +366,7 @@ def test_the_uploaded_arrays_meet_the_floor_under_an_independent_dense_i2f(defen
 
 
 def test_guard_step_hands_the_step_size_to_auto():
-    """With a step at which the Gaussian's noise would swamp the weights, ``auto`` sends eigen's aimed noise,
+    """With a step at which the Gaussian's noise would swamp the weights, ``auto`` sends its aimed noise,
     which needs less of it: the reply's noise norm drops, and both replies meet the floor."""
     config = unclipped(defense="auto", min_rmse=0.05, seed=0, subspace_size=2, krylov_steps=4)
     replies = [_scalar_app(config=config, step_size=step)(_message(MessageType.TRAIN, task.make_model(SETTINGS)), _context())

@@ -54,7 +54,7 @@ def test_each_defense_takes_its_own_fields(defense):
 
 def test_the_default_is_auto_and_subclasses_build_directly():
     assert GuardConfig().defense == "auto" and GuardConfig().bounds is None
-    assert GuardConfig().subspace_size == GuardConfig(defense="eigen").subspace_size  # auto falls back on eigen
+    assert GuardConfig().subspace_size == GuardConfig(defense="eigen").subspace_size  # auto carries eigen's fields (fallback="eigen")
     assert EigenGuardConfig(subspace_size=4) == GuardConfig(defense="eigen", subspace_size=4)
 
 

@@ -46,12 +46,12 @@ SKIP_NEGLIGIBLE = True
 
 #: ``defense="auto"`` (the default): the calibrated Gaussian first — isotropic noise, one Lanczos run per
 #: sample — and, when it needs more than the budget or its noise would randomise the parameters
-#: (AUTO_MAX_MOVE), noise aimed at the samples' weak directions (the config's ``fallback``: ``eigen`` by
-#: default, or ``resolvent``), which needs far less of it where the parameters outnumber the inputs: on the
+#: (AUTO_MAX_MOVE), noise aimed at the samples' weak directions (the config's ``fallback``: ``resolvent`` by
+#: default, or ``eigen``), which needs far less of it where the parameters outnumber the inputs: on the
 #: trained ResNet-20-GN at B = 8 the Gaussian needed 54–663 C and sent 0 of 5 steps, eigen 5 of 5
-#: (docs/results.md, "The guard on the models practitioners train"); resolvent noise sends there at a third of
-#: eigen's products and trains those rounds about as well, but trains the CNN from scratch worse
-#: (docs/results.md, "Resolvent noise"). Row-space noise (``rowspace``, the filtered noise
+#: (docs/results.md, "The guard on the models practitioners train"); resolvent noise sends there at about a quarter
+#: of eigen's products and trains those rounds, and the CNN from scratch, about as well (docs/results.md,
+#: "Resolvent noise from the λmax run, and auto's fallback"). Row-space noise (``rowspace``, the filtered noise
 #: without the per-sample scale) sends too, but a 5-step round on that ResNet ended at 49% accuracy against
 #: eigen's 62% (unguarded 67.5%), so it is an explicit choice, not auto's (docs/results.md, "Row-space noise").
 AUTO_FIRST = "gaussian"

@@ -67,9 +67,8 @@ def test_the_direction_is_the_krylov_filtered_noise_scaled_to_unit_own_i2f(clipp
         spectrum = RegularisedK(op).lanczos(rtol=0.0, min_iter=steps, max_iter=steps, seed=11)
         start = spectrum.basis[:, 0]
     else:
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(4)))
-        start = torch.randn(3, op.dx, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        start = start / start.norm(dim=1, keepdim=True)
+        start = torch.randn(3, op.dx, generator=torch.Generator().manual_seed(4), dtype=torch.float64)  # the stream's first draw
+        start = start / start.norm(dim=1, keepdim=True)  # the run's first vector
     ctx = DefenseContext(op, torch.zeros(op.dtheta, dtype=torch.float64), eps, eps / 1e-2,
                          torch.Generator().manual_seed(4), GuardConfig(defense="resolvent"), spectrum=spectrum)
     got = resolvent(ctx)
@@ -105,6 +104,7 @@ def test_the_guard_hands_its_lambda_max_run_over_and_the_direction_costs_one_tra
         resolvent.__globals__["RegularisedK"].lanczos = original
     assert out.report.met, out.report.reason
     assert len(calls) == 1 and calls[0]["min_iter"] == FILTER_STEPS + NORM_STEPS  # the guard's run only
+    assert calls[0]["start"] is not None and calls[0]["start"].shape == x.flatten(1).shape  # z from the guard's stream
     assert out.report.details["lanczos_steps"] >= FILTER_STEPS + NORM_STEPS
 
 

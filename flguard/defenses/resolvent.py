@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from flguard.defenses.base import DefenseContext, Direction
+from flguard.risk.clipped import Jacobian
 from flguard.risk.lanczos import LanczosResult
 from flguard.risk.regularised import RegularisedK
 
@@ -46,8 +47,7 @@ def resolvent(ctx: DefenseContext) -> Direction:
     run = ctx.spectrum
     steps = FILTER_STEPS + NORM_STEPS
     if run is None or run.coordinates is None or run.basis.shape[1] < min(steps, op.dx):
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=ctx.generator))
-        run = RegularisedK(op).lanczos(rtol=0.0, min_iter=steps, max_iter=steps, seed=seed)
+        run = RegularisedK(op).lanczos(rtol=0.0, min_iter=steps, max_iter=steps, start=resolvent_start(ctx.generator, op))
     filtered, own = krylov_resolvent(run, ctx.eps, FILTER_STEPS)
     usable = torch.isfinite(own) & (own > 0) & torch.isfinite(filtered).all(dim=1)
     if not bool(usable.any()):
@@ -58,6 +58,12 @@ def resolvent(ctx: DefenseContext) -> Direction:
     if not bool(torch.isfinite(vector).all()) or not bool(vector.any()):
         raise RuntimeError("resolvent noise: the samples' Jacobians map the filtered noise to zero or non-finite values")
     return Direction(vector, {"kind": "resolvent", "own_i2f": own, "lanczos_steps": float(run.basis.shape[1])})
+
+
+def resolvent_start(generator: torch.Generator, op: Jacobian) -> torch.Tensor:
+    """z_i ~ N(0, I_dx) per sample [B, dx] from the guard's stream: the Lanczos run's start, so the noise's
+    randomness is the stream's (its 64-bit OS-entropy seed), not a run's 31-bit seed."""
+    return torch.randn(op.batch_size, op.dx, generator=generator, dtype=op.dtype, device=op.device)
 
 
 def krylov_resolvent(run: LanczosResult, eps: torch.Tensor,

@@ -12,7 +12,7 @@ import torch
 
 from flguard.defenses import BASELINES, DefenseContext
 from flguard.defenses.gaussian import isotropic
-from flguard.defenses.resolvent import FILTER_STEPS, NORM_STEPS
+from flguard.defenses.resolvent import FILTER_STEPS, NORM_STEPS, resolvent_start
 from flguard.defenses.rowspace import rowspace
 from flguard.guard.config import DEFAULT_FALLBACK, THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard.exclusion import kept_gradient, negligible_samples
@@ -116,7 +116,8 @@ class Perturber:
         # eigen chooses among the run's Ritz directions, resolvent filters its start vector on its Krylov space
         spectrum = RegularisedK(op).lanczos(rtol=cfg.rtol, ends="max", min_iter=_krylov_steps(kind, cfg),
                                             max_iter=max(floor.SOLVER_MAX_ITER, cfg.krylov_steps if eigen else 0),
-                                            return_vectors=eigen or floor.PRECONDITION_CG, seed=lanczos_seed)
+                                            return_vectors=eigen or floor.PRECONDITION_CG, seed=lanczos_seed,
+                                            start=resolvent_start(generator, op) if kind == "resolvent" else None)
         if not bool(spectrum.converged.all()):
             raise GuardFailure("λmax did not converge within the Lanczos limit")
         lambda_max = spectrum.lambda_max

@@ -66,18 +66,21 @@ def _tridiagonal(alphas: list[torch.Tensor], betas: list[torch.Tensor]) -> torch
 
 def lanczos(matvec: Matvec, batch: int, dim: int, *, like: torch.Tensor, rtol: float = 1e-3,
             ends: str = "both", max_iter: int | None = None, min_iter: int = 0, return_vectors: bool = False,
-            seed: int = 0) -> LanczosResult:
+            seed: int = 0, start: torch.Tensor | None = None) -> LanczosResult:
     """Extreme eigenvalues of ``batch`` symmetric PSD n×n operators applied by ``matvec``.
 
     ``ends``: ``"max"``, ``"min"`` or ``"both"`` — which Ritz pairs must meet the tolerance.
     ``like``: a tensor whose dtype and device the vectors take. ``min_iter`` keeps going past
-    convergence (a richer Krylov space for callers that need interior Ritz directions).
+    convergence (a richer Krylov space for callers that need interior Ritz directions). ``start``: the
+    first vector per sample [B, n] (normalised here; a zero row is not allowed), else a random one from
+    ``seed``, which also draws the restarts after a breakdown.
     """
     if ends not in ("max", "min", "both"):
         raise ValueError(f"ends={ends!r} must be 'max', 'min' or 'both'")
     limit = dim if max_iter is None else min(max_iter, dim)
     generator = torch.Generator(device=like.device).manual_seed(seed)
-    q = _orthonormal_start(batch, dim, None, generator, like)
+    q = (_orthonormal_start(batch, dim, None, generator, like) if start is None
+         else (start / start.norm(dim=1, keepdim=True)).to(like))
     basis = q.unsqueeze(1)
     alphas: list[torch.Tensor] = []
     betas: list[torch.Tensor] = []

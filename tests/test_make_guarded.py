@@ -205,7 +205,7 @@ def test_per_sample_clipping_and_a_psnr_floor_work_through_the_drop_in():
 
 
 @pytest.mark.parametrize("make_optimizer, step_size, sent", [
-    (lambda params: torch.optim.SGD(params, lr=1e3), 1e3, "eigen"),  # lr × the Gaussian's noise ≫ 10% of ‖θ‖
+    (lambda params: torch.optim.SGD(params, lr=1e3), 1e3, "resolvent"),  # lr × the Gaussian's noise ≫ 10% of ‖θ‖
     (lambda params: torch.optim.SGD(params, lr=1e-9), 1e-9, "gaussian"),
     (lambda params: torch.optim.Adam(params, lr=1e3), None, "gaussian"),  # Adam's step is not lr × g: no step size
     (lambda params: torch.optim.SGD(params, lr=1e-9, momentum=0.9), 1e-9 / 0.19 ** 0.5, "gaussian"),  # √(1 − 0.9²)
@@ -213,7 +213,8 @@ def test_per_sample_clipping_and_a_psnr_floor_work_through_the_drop_in():
 ])
 def test_auto_judges_the_gaussians_move_by_an_sgd_learning_rate(make_optimizer, step_size, sent):
     """``make_guarded`` hands ``auto`` the step size of a plain SGD optimizer (its largest lr) and none for
-    others; with a step at which the Gaussian's noise would swamp the weights, the aimed (eigen) noise is applied, and
+    others; with a step at which the Gaussian's noise would swamp the weights, the aimed noise (``auto``'s default
+    fallback, resolvent) is applied, and
     it meets the floor under dense recomputation (the noise recovered from the parameter change)."""
     model = tiny_cnn()
     x, y = batch()
@@ -228,7 +229,7 @@ def test_auto_judges_the_gaussians_move_by_an_sgd_learning_rate(make_optimizer, 
     optimizer.step()
     report = optimizer.guard_reports[-1]
     assert report.met and report.details["defense_used"] == sent
-    if sent == "eigen":  # plain SGD: the parameters moved by lr × (g + noise)
+    if sent == "resolvent":  # plain SGD: the parameters moved by lr × (g + noise)
         jac, g = dense_jacobians(reference_model, x, y)
         noise = (theta0 - flat_params(model)) / step_size - g
         dense = dense_metrics(jac, g, noise, report.eps)["rmse_i2f"]

@@ -148,7 +148,7 @@ class LocalDpConfig(StrictModel):
 
 class GuardConfig(StrictModel):
     """Guard settings common to every defense; ``GuardConfig(defense=..., ...)`` returns the
-    defense's own subclass (``defense`` defaults to ``"auto"``: the calibrated Gaussian, eigen's aimed
+    defense's own subclass (``defense`` defaults to ``"auto"``: the calibrated Gaussian, aimed (resolvent)
     noise on a step where the Gaussian would exceed the budget).
 
     ``min_rmse`` (τ) is the floor on each sample's predicted recovery RMSE, in the model's input

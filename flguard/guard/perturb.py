@@ -66,8 +66,8 @@ AUTO_SKIP_STEPS = 8
 #: ``make_guarded`` and ``guard_step(step_size=…)`` pass) sends the Gaussian only while its noise keeps the
 #: parameters' random walk small: the Gaussian's move per step, m = step_size·‖noise‖/‖θ‖, is averaged in
 #: square over the steps it was computed on (an exponential average over AUTO_MOVE_STEPS steps), and where
-#: that root mean square exceeds AUTO_MAX_MOVE eigen's aimed noise is sent instead (the Gaussian only if
-#: eigen does not meet the floor). Isotropic noise costs little while it stays small beside the weights
+#: that root mean square exceeds AUTO_MAX_MOVE the aimed noise (``fallback``) is sent instead (the Gaussian only if
+#: the aimed noise does not meet the floor). Isotropic noise costs little while it stays small beside the weights
 #: and randomises the model once it does not; a single large step does little, a run of them undoes
 #: training. Measured (docs/results.md, "auto judges the Gaussian's move"; benchmarks/study_gaussian_move.py):
 #: on the trained quickstart CNN (lr 0.01) the Gaussian's moves are heavy-tailed (0.01–5.5% a step, running

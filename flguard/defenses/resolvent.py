@@ -46,7 +46,7 @@ def resolvent(ctx: DefenseContext) -> Direction:
     op = ctx.op
     run = ctx.spectrum
     steps = FILTER_STEPS + NORM_STEPS
-    if run is None or run.coordinates is None or run.basis.shape[1] < min(steps, op.dx):
+    if run is None or run.basis.shape[1] < min(steps, op.dx):
         run = RegularisedK(op).lanczos(rtol=0.0, min_iter=steps, max_iter=steps, start=resolvent_start(ctx.generator, op))
     filtered, own = krylov_resolvent(run, ctx.eps, FILTER_STEPS)
     usable = torch.isfinite(own) & (own > 0) & torch.isfinite(filtered).all(dim=1)
@@ -78,12 +78,13 @@ def krylov_resolvent(run: LanczosResult, eps: torch.Tensor,
     basis, m = run.basis, run.basis.shape[1]
     k = m if filter_steps is None else min(filter_steps, m)
     theta = run.ritz_values.clamp_min(0.0)  # K_i is PSD: a negative Ritz value is rounding
-    tridiagonal = torch.einsum("bij,bj,bkj->bik", run.coordinates, theta, run.coordinates)
+    leading = run.coordinates[:, :k, :]  # S_i's first k rows: T_i[:k, :k] = S_i[:k]Θ_iS_i[:k]ᵀ
     start = torch.zeros(basis.shape[0], k, dtype=basis.dtype, device=basis.device)
     start[:, 0] = 1.0
-    y = _shifted_solve(tridiagonal[:, :k, :k], eps, start)
+    y = _shifted_solve(torch.einsum("bij,bj,bkj->bik", leading, theta, leading), eps, start)
     filtered = torch.einsum("bkn,bk->bn", basis[:, :k], y)
-    own = _shifted_solve(tridiagonal, eps, torch.einsum("bik,bk->bi", tridiagonal[:, :, :k], y)).norm(dim=1)
+    # (T_i+ε_iI)⁻¹T_i[:, :k]y = S_i(Θ_i+ε_iI)⁻¹Θ_iS_i[:k]ᵀy: its norm from T_i's own eigenpairs, S_i orthogonal
+    own = (theta / (theta + eps.unsqueeze(1)) * torch.einsum("bkj,bk->bj", leading, y)).norm(dim=1)
     return filtered, own
 
 

@@ -34,7 +34,7 @@ class LanczosResult:
     converged: torch.Tensor
     iterations: int
     matvecs: int
-    coordinates: torch.Tensor | None = None
+    coordinates: torch.Tensor
 
     @property
     def lambda_max(self) -> torch.Tensor:

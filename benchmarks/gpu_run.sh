@@ -25,20 +25,23 @@ part() {  # part NAME SECONDS CSV-OR-- COMMAND...: run COMMAND under a limit, lo
 nvidia-smi -L >> "$LOG" 2>&1
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" >> "$LOG" 2>&1
 part cuda_tests "${LIMIT_TESTS:-90}" - python3 -m pytest -q -p no:cacheprovider -s tests/test_guard_model.py tests/test_risk_precision.py \
-    tests/test_risk_assess.py -k "cuda or chunk or dense_float64 or float32"
+    tests/test_risk_assess.py -k "cuda or chunk or cached or dense_float64 or float32"
 cd benchmarks
 part guard_resnet18 "${LIMIT_R18:-240}" results/bench_guard_models.csv \
     python3 bench_guard_models.py --device cuda --models resnet18_gn --batch "${R18_BATCH:-8,32}" --steps "${R18_STEPS:-6}"
-part products_resnet18 "${LIMIT_OPS:-80}" results/bench_operator_products.csv \
-    python3 bench_operator_products.py --device cuda --models resnet18_gn --batch 32 --paths cached,direct,direct-cpu-chunks
+part guard_resnet18_eigen "${LIMIT_R18E:-120}" results/bench_guard_models.csv \
+    python3 bench_guard_models.py --device cuda --models resnet18_gn --batch 32 --steps "${R18_STEPS:-6}" --guard fallback=eigen
 part guard_small "${LIMIT_SMALL:-100}" results/bench_guard_models.csv \
     python3 bench_guard_models.py --device cuda --models cnn,resnet20_gn --batch 32 --steps 10
-# PARTS=all adds: the cached pullbacks on the guard's path (1.9x cheaper per K product on an H200, but rebuilt
+# guard_resnet18_eigen: auto's former fallback (eigen, 64 Lanczos steps) beside the defaults (resolvent since
+# 2026-11-26), on the same card in the same call. PARTS=all adds: the operator's products alone; the cached pullbacks on the guard's path (1.9x cheaper per K product on an H200, but rebuilt
 # on each shrinking subset); ResNet-18-GN at B = 32 with the Gaussian alone and with eigen's 32 Lanczos steps
 # (what each of auto's two kinds costs there); and the quickstart CNN's launch-bound round with its K products
 # eager and through CUDA graphs (torch.compile's reduce-overhead; compiled products' outputs are copied since
 # 04cc31f). SKIP="name …" leaves parts out.
 if [ "${PARTS:-}" = all ]; then
+part products_resnet18 "${LIMIT_OPS:-80}" results/bench_operator_products.csv \
+    python3 bench_operator_products.py --device cuda --models resnet18_gn --batch 32 --paths cached,direct,direct-cpu-chunks
 part guard_resnet18_cached "${LIMIT_R18:-240}" results/bench_guard_models.csv \
     python3 bench_guard_models.py --device cuda --models resnet18_gn --batch 32 --steps "${R18_STEPS:-6}" --products cached
 part guard_resnet18_gaussian "${LIMIT_R18G:-90}" results/bench_guard_models.csv \

@@ -100,7 +100,8 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"
     ("rowspace", "cached", "cpu"), ("rowspace", "direct", "cpu"), ("resolvent", "cached", "cpu"),
     ("resolvent", "direct", "cpu"),
     pytest.param("gaussian", "cached", "cuda", marks=CUDA), pytest.param("gaussian", "direct", "cuda", marks=CUDA),
-    pytest.param("eigen", "direct", "cuda", marks=CUDA)])
+    pytest.param("eigen", "direct", "cuda", marks=CUDA), pytest.param("resolvent", "cached", "cuda", marks=CUDA),
+    pytest.param("resolvent", "direct", "cuda", marks=CUDA)])
 def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f(defense, products, device, monkeypatch):
     """make_guarded with median clipping, exclusion and the 15 dB pixel floor (its pixel box, ε =
     1e-2·λmax) on a 3-channel GroupNorm ResNet fed channels-last inputs: the noise actually applied

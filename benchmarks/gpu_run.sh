@@ -31,10 +31,14 @@ part guard_resnet18 "${LIMIT_R18:-240}" results/bench_guard_models.csv \
     python3 bench_guard_models.py --device cuda --models resnet18_gn --batch "${R18_BATCH:-8,32}" --steps "${R18_STEPS:-6}"
 part guard_resnet18_eigen "${LIMIT_R18E:-120}" results/bench_guard_models.csv \
     python3 bench_guard_models.py --device cuda --models resnet18_gn --batch 32 --steps "${R18_STEPS:-6}" --guard fallback=eigen
+part guard_resnet18_median "${LIMIT_R18:-240}" results/bench_guard_models.csv \
+    python3 bench_guard_models.py --device cuda --models resnet18_gn --batch "${R18_BATCH:-8,32}" --steps "${R18_STEPS:-6}" \
+    --guard clip_per_sample=median
 part guard_small "${LIMIT_SMALL:-100}" results/bench_guard_models.csv \
     python3 bench_guard_models.py --device cuda --models cnn,resnet20_gn --batch 32 --steps 10
-# guard_resnet18_eigen: auto's former fallback (eigen, 64 Lanczos steps) beside the defaults (resolvent since
-# 2026-11-26), on the same card in the same call. PARTS=all adds: the operator's products alone; the cached pullbacks on the guard's path (1.9x cheaper per K product on an H200, but rebuilt
+# guard_resnet18_eigen and guard_resnet18_median: auto's former fallback (eigen, 64 Lanczos steps; resolvent since
+# 2026-11-26) and the former clip level (the median; "retention" since 2026-11-26) beside the defaults, on the same
+# card in the same call. PARTS=all adds: the operator's products alone; the cached pullbacks on the guard's path (1.9x cheaper per K product on an H200, but rebuilt
 # on each shrinking subset); ResNet-18-GN at B = 32 with the Gaussian alone and with eigen's 32 Lanczos steps
 # (what each of auto's two kinds costs there); and the quickstart CNN's launch-bound round with its K products
 # eager and through CUDA graphs (torch.compile's reduce-overhead; compiled products' outputs are copied since

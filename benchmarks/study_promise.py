@@ -61,7 +61,7 @@ import torch
 
 from _common import guard_settings, model_and_batch
 from flguard import Guard, GuardConfig
-from flguard.guard.engine import lower_quantile
+from flguard.guard.engine import lower_quantile, retained_clip_level
 from flguard.attacks import metrics, reconstruct
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,13 +124,16 @@ def attacks(model, gradient, x, y, data, args, guard_subspace: int, adaptive: bo
 
 
 def clipped_upload(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float | str,
-                   quantile: float = 0.5) -> torch.Tensor:
+                   quantile: float = 0.5, retention: float = 0.5) -> torch.Tensor:
     """The ``clip`` control: Σ_i min(1, C/‖g_i‖)·g_i / B — per-sample clipping, no noise (C = the lower
     median of the per-sample norms for ``"median"``, as the guard's default; their lower ``quantile``
-    quantile for ``"quantile"``: ``flguard.guard.engine.lower_quantile``, as the guard's ``clip_level``)."""
+    quantile for ``"quantile"``: ``flguard.guard.engine.lower_quantile``, as the guard's ``clip_level``; for
+    ``"retention"`` ``flguard.guard.engine.retained_clip_level`` from the median up)."""
     rows = [batch_gradient(model, x[i:i + 1], y[i:i + 1]) for i in range(x.shape[0])]
     if isinstance(clip, str):
-        clip = lower_quantile(torch.stack([g.norm() for g in rows]), 0.5 if clip == "median" else quantile)
+        per = torch.stack(rows)
+        level = lower_quantile(per.norm(dim=1), quantile if clip == "quantile" else 0.5)
+        clip = retained_clip_level(per, level, retention) if clip == "retention" else level
     return sum(g * min(1.0, clip / float(g.norm().clamp_min(1e-30))) for g in rows) / x.shape[0]
 
 
@@ -168,7 +171,8 @@ def trained_setup(args) -> None:
     if isinstance(low, tuple):
         raise SystemExit("--trained supports one-channel data (MNIST): the box must be a scalar pair")
     args.box = (float(low), float(high))
-    args.clip, args.clip_quantile = configs[0].clip_per_sample, configs[0].clip_quantile
+    args.clip, args.clip_quantile, args.clip_retention = (configs[0].clip_per_sample, configs[0].clip_quantile,
+                                                         configs[0].clip_retention)
     args.data_std = float(configs[0].pixel_std)  # one channel: the pixel RMSE is the input RMSE × std
 
 
@@ -226,7 +230,8 @@ def run(args) -> list[dict]:
                     subspace = args.guard_values["eigen"]["subspace_size"] if args.trained and "eigen" in args.guard_values \
                         else args.subspace_size
                     if defense in ("none", "clip"):  # the controls: every attack on the unguarded (clipped) upload
-                        sent = g if defense == "none" else clipped_upload(model, x, y, args.clip, args.clip_quantile)
+                        sent = g if defense == "none" else clipped_upload(model, x, y, args.clip, args.clip_quantile,
+                                                                                  args.clip_retention)
                         result = attacks(model, sent, x, y, data, args, subspace, adaptive=not args.trained)
                         report = None
                     else:

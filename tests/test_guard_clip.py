@@ -120,7 +120,56 @@ def test_the_clip_level_is_the_lower_quantile_of_the_batch_norms(setting, quanti
     torch.testing.assert_close(out.report.noise_norm, float((out.gradient - _upload(model, y, clip)(x)).norm()))
 
 
-def test_a_clip_quantile_outside_zero_to_one_is_refused_naming_the_field():
+def test_a_clip_quantile_or_retention_outside_zero_to_one_is_refused_naming_the_field():
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="clip_quantile"):
             GuardConfig(clip_per_sample="quantile", clip_quantile=bad)
+        with pytest.raises(ValueError, match="clip_retention"):
+            GuardConfig(clip_per_sample="retention", clip_retention=bad)
+
+
+def test_the_retention_clip_level_has_its_closed_form():
+    """g_1 = 10·e₁ and three g_i = e₁: the lower median is 1, whose clipped sum 4e₁ keeps 4/13 of g = 13e₁
+    along g; a retention above 4/13 takes the next norm up, 10, which clips nothing. A zero batch gradient
+    keeps the median."""
+    from flguard.guard.engine import retained_clip_level
+
+    gradients = torch.zeros(4, 3)
+    gradients[:, 0] = torch.tensor([10.0, 1.0, 1.0, 1.0])
+    assert retained_clip_level(gradients, 1.0, 0.25) == 1.0
+    assert retained_clip_level(gradients, 1.0, 4 / 13 - 1e-6) == 1.0
+    assert retained_clip_level(gradients, 1.0, 4 / 13 + 1e-6) == 10.0
+    assert retained_clip_level(gradients, 1.0, 1.0) == 10.0
+    cancelling = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 2.0], [0.0, -2.0]])
+    assert retained_clip_level(cancelling, 1.0, 0.5) == 1.0
+
+
+@pytest.mark.parametrize("retention", [0.05, 0.5, 0.9])
+def test_the_retention_clip_level_on_a_groupnorm_resnet_matches_a_brute_force_search(retention, monkeypatch):
+    """On a 3-channel GroupNorm ResNet (B = 8): C is the smallest per-sample norm from the lower median up whose
+    explicitly clipped sum Σ_i g_i·min(1, C/‖g_i‖) — per-sample gradients by autograd, one sample at a time —
+    has ⟨·, g⟩ ≥ retention·‖g‖²; what the guard sends minus the dense clipped upload at that C is exactly the
+    reported noise. The inner products are taken in blocks of 997 parameters here (the guard's float64 blocks)."""
+    from flguard.guard import engine
+    from flguard.models import create
+
+    monkeypatch.setattr(engine, "RETENTION_COLUMNS", 997)
+    torch.manual_seed(0)
+    model = create("resnet8_gn", image_size=6).double()
+    x, y = torch.randn(8, 3, 6, 6, dtype=torch.float64), torch.arange(8) % 10
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    rows = []
+    for i in range(8):
+        tree = grad(lambda p: nn.functional.cross_entropy(functional_call(model, p, x[i:i + 1]), y[i:i + 1]))(params)
+        rows.append(torch.cat([t.reshape(-1) for t in tree.values()]))
+    per = torch.stack(rows)
+    norms, g = per.norm(dim=1), per.sum(dim=0)
+    ordered = norms.sort().values
+    expected = next(float(c) for c in ordered[3:]  # the lower median of 8 is the 4th smallest
+                    if float((per * torch.clamp(c / norms, max=1.0)[:, None]).sum(0) @ g) >= retention * float(g @ g))
+    out = Guard(GuardConfig(min_rmse=TAU, seed=2, clip_per_sample="retention", clip_retention=retention,
+                            max_rel_noise=1e6, max_excluded=0.0)).protect(model, x, y, g / 8)
+    assert out.report.met and out.gradient is not None
+    torch.testing.assert_close(out.report.noise_norm, float((out.gradient - _upload(model, y, expected)(x)).norm()))
+    if retention == 0.9:  # the case must not collapse to the median: here it clips fewer samples
+        assert expected > float(ordered[3])

@@ -62,8 +62,13 @@ DEFAULT_MAX_PRODUCTS = 400.0
 #: sample's certified bound takes its own verified solver error off — with the box, by the
 #: saturation-aware bound of ``flguard.guard.box_bound`` — and is fitted to τ(1 + rtol): on the trained
 #: CNN 3e-2 takes 13% fewer products than 1e-2 for the same accuracy). On the trained quickstart CNN (B = 32)
-#: they sent 20 of 20 steps; without them 0 of 20.
-DEFAULT_CLIP = "median"
+#: they sent 20 of 20 steps; without them 0 of 20. The clip level since 2026-11-26 (docs/results.md, "A clip level
+#: that keeps the step"): the smallest per-sample norm from the median up whose clipped sum keeps a quarter of the
+#: batch gradient's length along it (``flguard.guard.engine.retained_clip_level``). The median alone kept 1–2% of
+#: it on the trained CNN, whose guarded rounds then did not learn (5-point gaps on two seeds of five); this rule
+#: clips at about the batch's 83rd percentile there and at the median on the ResNet-20-GN.
+DEFAULT_CLIP = "retention"
+DEFAULT_CLIP_RETENTION = 0.25
 #: ``auto``'s aimed noise where the Gaussian is not sent (``flguard.guard.perturb.auto_order``): resolvent noise,
 #: whose direction comes from the λmax Lanczos run the guard runs anyway (9 steps instead of 5–7). Measured
 #: (docs/results.md, "Resolvent noise from the λmax run, and auto's fallback"): ResNet-18-GN at B = 8 on a CPU 30
@@ -186,14 +191,17 @@ class GuardConfig(StrictModel):
     eps: float = Field(DEFAULT_EPS_RELATIVE, ge=0.0, description="Tikhonov ε: × λmax per sample, or absolute")
     max_rel_noise: float = Field(10.0, gt=0.0, description="noise budget: ‖noise‖ / ‖gradient‖ (or / C with "
                                  "clip_per_sample) at most this; gaussian, eigen: 40 by default")
-    clip_per_sample: float | Literal["median", "quantile"] | None = Field(
+    clip_per_sample: float | Literal["median", "quantile", "retention"] | None = Field(
         None, description="C: clip each sample's gradient to norm C before the floor (the guard measures the "
         "clipped map); max_rel_noise is then relative to C. 'median': C = the median of the batch's per-sample "
         "gradient norms, each step (flguard.guard.engine.clip_level); 'quantile': their clip_quantile quantile; "
-        "None: no clipping, the budget relative to ‖gradient‖; gaussian, eigen: 'median' by default")
+        "'retention': the smallest from the median up that keeps clip_retention of the gradient's length along it; "
+        "None: no clipping, the budget relative to ‖gradient‖; gaussian, eigen: 'retention' by default")
     clip_quantile: float = Field(0.5, gt=0.0, le=1.0, description="with clip_per_sample='quantile': C = this "
                                  "quantile of the batch's per-sample gradient norms (the lower one: a sample's "
                                  "norm); 0.5 is 'median', 1 clips no sample")
+    clip_retention: float = Field(DEFAULT_CLIP_RETENTION, gt=0.0, le=1.0, description="with clip_per_sample='retention': the share "
+                                  "of the batch gradient's length along itself that the clipped sum keeps at least")
     on_unmet: Literal["drop", "max-noise", "send"] = "drop"
     acknowledge_unguarded: bool = Field(False, description="required with on_unmet='send'")
     seed: int | None = Field(None, description="None: noise from OS entropy; an int only for tests/benchmarks")
@@ -243,7 +251,8 @@ class GuardConfig(StrictModel):
     def _positive_clip(self) -> "GuardConfig":
         clip = self.clip_per_sample
         if not isinstance(clip, str) and clip is not None and not (math.isfinite(clip) and clip > 0):
-            raise ValueError(f"clip_per_sample={clip} must be a positive number, 'median', 'quantile' or None")
+            raise ValueError(f"clip_per_sample={clip} must be a positive number, 'median', 'quantile', 'retention' "
+                             "or None")
         return self
 
     @model_validator(mode="after")
@@ -312,11 +321,12 @@ class ThresholdGuardConfig(GuardConfig):
     defense: Literal["auto", "gaussian", "rowspace", "resolvent", "eigen"] = DEFAULT_DEFENSE
     # the defaults that send on trained models (see DEFAULT_CLIP); the baselines keep no clipping, a
     # budget relative to ‖gradient‖ and rtol 1e-3, so "none" stays the unmodified update
-    clip_per_sample: float | Literal["median", "quantile"] | None = Field(
+    clip_per_sample: float | Literal["median", "quantile", "retention"] | None = Field(
         DEFAULT_CLIP, description="C: clip each sample's gradient to norm C before the floor (the guard measures "
-        "the clipped map); max_rel_noise is then relative to C. 'median' (default): C = the median of the batch's "
-        "per-sample gradient norms, each step; 'quantile': their clip_quantile quantile; None (or 'none'): no "
-        "clipping, the budget relative to ‖gradient‖")
+        "the clipped map); max_rel_noise is then relative to C. 'retention' (default): the smallest per-sample "
+        "gradient norm from the batch's median up whose clipped sum keeps clip_retention of the gradient's length "
+        "along it, each step; 'median': their median; 'quantile': their clip_quantile quantile; None (or 'none'): "
+        "no clipping, the budget relative to ‖gradient‖")
     max_rel_noise: float = Field(DEFAULT_MAX_REL_NOISE, gt=0.0, description="noise budget: ‖noise‖ / C with "
                                  "clip_per_sample (or / ‖gradient‖ without) at most this")
     rtol: float = Field(DEFAULT_RTOL, gt=0.0, lt=0.1, description="solver tolerance (the floor is aimed at "

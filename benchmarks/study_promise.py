@@ -124,7 +124,7 @@ def attacks(model, gradient, x, y, data, args, guard_subspace: int, adaptive: bo
 
 
 def clipped_upload(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float | str,
-                   quantile: float = 0.5, retention: float = 0.5) -> torch.Tensor:
+                   quantile: float = 0.5, retention: float = 0.25) -> torch.Tensor:
     """The ``clip`` control: Σ_i min(1, C/‖g_i‖)·g_i / B — per-sample clipping, no noise (C = the lower
     median of the per-sample norms for ``"median"``, as the guard's default; their lower ``quantile``
     quantile for ``"quantile"``: ``flguard.guard.engine.lower_quantile``, as the guard's ``clip_level``; for
@@ -230,8 +230,8 @@ def run(args) -> list[dict]:
                     subspace = args.guard_values["eigen"]["subspace_size"] if args.trained and "eigen" in args.guard_values \
                         else args.subspace_size
                     if defense in ("none", "clip"):  # the controls: every attack on the unguarded (clipped) upload
-                        sent = g if defense == "none" else clipped_upload(model, x, y, args.clip, args.clip_quantile,
-                                                                                  args.clip_retention)
+                        sent = g if defense == "none" else clipped_upload(
+                            model, x, y, args.clip, args.clip_quantile, args.clip_retention)
                         result = attacks(model, sent, x, y, data, args, subspace, adaptive=not args.trained)
                         report = None
                     else:

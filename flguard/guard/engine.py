@@ -22,7 +22,7 @@ from torch import nn
 
 from flguard.defenses import draw_generator
 from flguard.defenses.gaussian import isotropic
-from flguard.guard.config import THRESHOLD_DEFENSES, GuardConfig
+from flguard.guard.config import DEFAULT_CLIP_RETENTION, THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard.failure import GuardFailure, dead_network_reason, failure_reason
 from flguard.guard.floor import noise_budget
 from flguard.guard.model_check import require_supported
@@ -151,7 +151,8 @@ def _budget_noise(flat: torch.Tensor, cfg: GuardConfig, generator: torch.Generat
     return z * (noise_budget(flat, cfg, clip) / float(z.norm()))
 
 
-def clip_level(setting: float | str, op: JacobianOperator, quantile: float = 0.5, retention: float = 0.5) -> float:
+def clip_level(setting: float | str, op: JacobianOperator, quantile: float = 0.5,
+               retention: float = DEFAULT_CLIP_RETENTION) -> float:
     """This step's clipping norm C: ``clip_per_sample`` itself, or for ``"median"`` the median of the
     batch's unscaled per-sample gradient norms ‖g_i‖ (the lower median for an even batch, so C is
     one sample's norm; that sample is measured unclipped, the derivative of clip_C from below), for

@@ -8,8 +8,9 @@ default). Each round runs in a child process of its own, so its peak RSS is its 
 model and batch size: guarded / unguarded ms per step (medians; ``ratio_here`` divides by the
 unguarded step timed again in the guarded round's own process, on a copy of the model and the same
 batches; ``ratio_mean_here`` the mean guarded step over it — the round's cost where ``auto`` sends eigen on
-some steps and the Gaussian on others, which the median hides), Jacobian products per sample per guarded step, steps sent, samples left out, peak RSS of
-each round, test accuracy before and after.
+some steps and the Gaussian on others, which the median hides), Jacobian products per sample per guarded step, steps sent, samples left out,
+the noise's norm (median and largest over the sent steps), the share of each batch at or below its clip level C
+(``clip_share``, median/max over the steps: 0.5 is the median), peak RSS of each round, test accuracy before and after.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_guard_models.py                   # cnn B=32, resnet20_gn B=32
     OMP_NUM_THREADS=1 python benchmarks/bench_guard_models.py --models cnn \
@@ -98,6 +99,11 @@ def _unguarded_ms(model, x, y, batches, device: str, lr: float) -> float:
     return 1000 * statistics.median(seconds[1:])
 
 
+def _median_max(values: list[float]) -> str | None:
+    """"median/max" of ``values`` (the share of each step's batch at or below its clip level C), or None."""
+    return f"{statistics.median(values):.2f}/{max(values):.2f}" if values else None
+
+
 def _accuracy(model, x, y) -> float:
     with torch.no_grad():
         return 100.0 * float(torch.cat([model(b).argmax(1) for b in x.split(256)]).eq(y).float().mean())
@@ -147,7 +153,7 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
             products.append(report.matvecs)
             left_out += int(report.details.get("excluded", 0)) if report.met else 0
             if report.met:
-                noise.append((report.rel_noise, report.noise_norm))
+                noise.append((report.rel_noise, report.noise_norm, report.details.get("clip_share")))
             kind = report.details.get("defense_used", config.defense) if report.met else "withheld"
             used[kind] = used.get(kind, 0) + 1
     return dict(ms=1000 * statistics.median(seconds), mean_ms=1000 * statistics.fmean(seconds), here_ms=here_ms,
@@ -155,6 +161,8 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
                 products=statistics.median(products) if products else 0.0, reasons=reasons,
                 rel_noise=statistics.median(n[0] for n in noise) if noise else None,
                 noise_norm=statistics.median(n[1] for n in noise) if noise else None,
+                noise_norm_max=max(n[1] for n in noise) if noise else None,
+                clip_share=_median_max([n[2] for n in noise if n[2] is not None]),
                 used=" ".join(f"{kind}:{count}" for kind, count in sorted(used.items())),
                 rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                 gpu_gb=torch.cuda.max_memory_allocated(device) / 2**30 if torch.device(device).type == "cuda" else None,
@@ -193,6 +201,7 @@ def main() -> None:
                        ratio_mean_here=guard["mean_ms"] / guard["here_ms"],
                        products=guard["products"], sent=f"{guard['sent']}/{args.steps}", used=guard["used"],
                        left_out=guard["left_out"], rel_noise=guard["rel_noise"], noise_norm=guard["noise_norm"],
+                       noise_norm_max=guard["noise_norm_max"], clip_share=guard["clip_share"],
                        rss_train_gb=plain["rss_gb"], rss_guard_gb=guard["rss_gb"],
                        acc_before=plain["acc_before"], acc_train=plain["acc_after"], acc_guard=guard["acc_after"])
             if args.products != "auto":

@@ -171,5 +171,7 @@ def test_the_retention_clip_level_on_a_groupnorm_resnet_matches_a_brute_force_se
                             max_rel_noise=1e6, max_excluded=0.0)).protect(model, x, y, g / 8)
     assert out.report.met and out.gradient is not None
     torch.testing.assert_close(out.report.noise_norm, float((out.gradient - _upload(model, y, expected)(x)).norm()))
+    assert out.report.details["clip"] == pytest.approx(expected, rel=1e-5)  # the report names C and its rank
+    assert out.report.details["clip_share"] == float((norms <= expected * (1 + 1e-6)).double().mean())
     if retention == 0.9:  # the case must not collapse to the median: here it clips fewer samples
         assert expected > float(ordered[3])

@@ -65,6 +65,7 @@ class Guard:
         batch = int(x.shape[0])
         op: Jacobian | None = None
         self._clip: float | None = None  # this step's clipping norm C, once known (the budget's unit)
+        clip_share: float | None = None  # the share of the batch whose per-sample norm is at most C
         require_supported(model, "Guard.protect")  # a clear error before any measuring, not a failed step
         try:
             flat = _checked_gradient(gradient, model)
@@ -74,6 +75,7 @@ class Guard:
                     op = _clipped(op, flat, clip_level(cfg.clip_per_sample, op, cfg.clip_quantile, cfg.clip_retention))
                     flat = op.gradient
                     self._clip = op.clip
+                    clip_share = float((op.sample_norms <= op.clip).double().mean())
                 move_scale = _move_scale(model, step_size) if cfg.defense == "auto" else None  # only auto reads it
                 outcome = self._perturber.perturb(op, flat, self._clip, self._generator(x.device), move_scale=move_scale)
         except Exception as error:  # fail closed on anything, with the reason in the report
@@ -83,7 +85,8 @@ class Guard:
             rmse_after=outcome.rmse_after.cpu(), rmse_lb_after=outcome.rmse_lb_after.cpu(),
             eps=outcome.eps.cpu(), noise_norm=float(outcome.noise.norm()),
             rel_noise=float(outcome.noise.norm() / flat.norm().clamp_min(1e-30)), met=outcome.met, defense=cfg.defense,
-            reason=outcome.reason, matvecs=op.applications, seconds=0.0, min_rmse=cfg.floor, details=outcome.info,
+            reason=outcome.reason, matvecs=op.applications, seconds=0.0, min_rmse=cfg.floor,
+            details=outcome.info if self._clip is None else {**outcome.info, "clip": self._clip, "clip_share": clip_share},
             rmse_error=None if outcome.rmse_error is None else outcome.rmse_error.cpu())
         if outcome.met or cfg.defense not in THRESHOLD_DEFENSES:
             report.seconds = time.perf_counter() - start

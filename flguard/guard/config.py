@@ -62,12 +62,12 @@ DEFAULT_MAX_PRODUCTS = 400.0
 #: sample's certified bound takes its own verified solver error off — with the box, by the
 #: saturation-aware bound of ``flguard.guard.box_bound`` — and is fitted to τ(1 + rtol): on the trained
 #: CNN 3e-2 takes 13% fewer products than 1e-2 for the same accuracy). On the trained quickstart CNN (B = 32)
-#: they sent 20 of 20 steps; without them 0 of 20. The clip level since 2026-11-26 (docs/results.md, "A clip level
-#: that keeps the step"): the smallest per-sample norm from the median up whose clipped sum keeps a quarter of the
-#: batch gradient's length along it (``flguard.guard.engine.retained_clip_level``). The median alone kept 1–2% of
-#: it on the trained CNN, whose guarded rounds then did not learn (5-point gaps on two seeds of five); this rule
-#: clips at about the batch's 83rd percentile there and at the median on the ResNet-20-GN.
-DEFAULT_CLIP = "retention"
+#: they sent 20 of 20 steps; without them 0 of 20. ``clip_per_sample="retention"`` (the smallest per-sample norm
+#: from the median up whose clipped sum keeps ``clip_retention`` of the batch gradient's length along it) gives the
+#: trained CNN's rounds their accuracy back, but collapsed one of six from-scratch frontier runs and lost 16–20 points
+#: on ResNet-18-GN rounds at B = 8 where the median lost 0.3–2.6 (docs/results.md, "A clip level that keeps the
+#: step"): an option for fine-tuning a trained model, not the default.
+DEFAULT_CLIP = "median"
 DEFAULT_CLIP_RETENTION = 0.25
 #: ``auto``'s aimed noise where the Gaussian is not sent (``flguard.guard.perturb.auto_order``): resolvent noise,
 #: whose direction comes from the λmax Lanczos run the guard runs anyway (9 steps instead of 5–7). Measured
@@ -196,7 +196,7 @@ class GuardConfig(StrictModel):
         "clipped map); max_rel_noise is then relative to C. 'median': C = the median of the batch's per-sample "
         "gradient norms, each step (flguard.guard.engine.clip_level); 'quantile': their clip_quantile quantile; "
         "'retention': the smallest from the median up that keeps clip_retention of the gradient's length along it; "
-        "None: no clipping, the budget relative to ‖gradient‖; gaussian, eigen: 'retention' by default")
+        "None: no clipping, the budget relative to ‖gradient‖; gaussian, eigen: 'median' by default")
     clip_quantile: float = Field(0.5, gt=0.0, le=1.0, description="with clip_per_sample='quantile': C = this "
                                  "quantile of the batch's per-sample gradient norms (the lower one: a sample's "
                                  "norm); 0.5 is 'median', 1 clips no sample")
@@ -323,10 +323,10 @@ class ThresholdGuardConfig(GuardConfig):
     # budget relative to ‖gradient‖ and rtol 1e-3, so "none" stays the unmodified update
     clip_per_sample: float | Literal["median", "quantile", "retention"] | None = Field(
         DEFAULT_CLIP, description="C: clip each sample's gradient to norm C before the floor (the guard measures "
-        "the clipped map); max_rel_noise is then relative to C. 'retention' (default): the smallest per-sample "
-        "gradient norm from the batch's median up whose clipped sum keeps clip_retention of the gradient's length "
-        "along it, each step; 'median': their median; 'quantile': their clip_quantile quantile; None (or 'none'): "
-        "no clipping, the budget relative to ‖gradient‖")
+        "the clipped map); max_rel_noise is then relative to C. 'median' (default): C = the median of the batch's "
+        "per-sample gradient norms, each step; 'quantile': their clip_quantile quantile; 'retention': the smallest of "
+        "them from the median up whose clipped sum keeps clip_retention of the gradient's length along it; None (or "
+        "'none'): no clipping, the budget relative to ‖gradient‖")
     max_rel_noise: float = Field(DEFAULT_MAX_REL_NOISE, gt=0.0, description="noise budget: ‖noise‖ / C with "
                                  "clip_per_sample (or / ‖gradient‖ without) at most this")
     rtol: float = Field(DEFAULT_RTOL, gt=0.0, lt=0.1, description="solver tolerance (the floor is aimed at "

@@ -152,6 +152,9 @@ def defense_rows(config: CompareConfig, name: str, directory: Path) -> list[dict
                 # samples left out of the round's steps (max_excluded) and samples guarded in them
                 "excluded_samples": _number(t.get("guard_excluded")) if uploaded else None,
                 "guarded_samples": _number(t.get("guard_samples")) if uploaded else None,
+                # the round's guarded local steps, and those sent with aimed noise (auto's fallback or an aimed defense)
+                "guarded_steps": _number(t.get("guard_steps")) if uploaded else None,
+                "aimed_steps": _number(t.get("guard_aimed_steps")) if uploaded else None,
                 # the server sent this client a fished model this round: its reply was not aggregated
                 "fished": int(was_fished or attack.get("attack_target") == FISHING),
                 "fished_class": _whole(attack.get("fished_class")),

@@ -11,7 +11,11 @@ import torch
 #: The one list of them: ``summarise`` builds every metrics dict from it, in this order.
 METRIC_KEYS = ("guard_met", "guard_dropped", "guard_min_rmse_after", "guard_median_rmse_after",
                "guard_min_rmse_lb_after", "guard_noise_norm", "guard_rel_noise", "guard_matvecs", "guard_seconds",
-               "guard_excluded", "guard_samples")
+               "guard_excluded", "guard_samples", "guard_steps", "guard_aimed_steps")
+
+#: The defenses whose noise is aimed at each sample's weak directions (the others' is isotropic): what
+#: ``guard_aimed_steps`` counts, by the kind each sent step used (``auto`` names it in ``details["defense_used"]``).
+AIMED_DEFENSES = ("rowspace", "resolvent", "eigen")
 
 
 @dataclass
@@ -60,7 +64,8 @@ def summarise(reports: Sequence[GuardReport], dropped: bool = False) -> dict[str
     ``met`` only if every step met the floor; the smallest RMSE (and lower bound) over the steps,
     -1 when some step measured nothing (its RMSEs are NaN); the median over every finite sample
     RMSE; the largest noise; the total cost; the samples left out (``max_excluded``) and the samples
-    guarded, over all steps. One report gives that step's own summary.
+    guarded, over all steps; the steps, and those that met the floor with aimed noise (``AIMED_DEFENSES``: with
+    ``auto``, the steps it did not send the Gaussian on). One report gives that step's own summary.
     """
     after = torch.cat([r.rmse_after for r in reports])
     after = after[torch.isfinite(after)]
@@ -72,6 +77,7 @@ def summarise(reports: Sequence[GuardReport], dropped: bool = False) -> dict[str
         max(r.noise_norm for r in reports), max(r.rel_noise for r in reports),
         sum(float(r.matvecs) for r in reports), sum(r.seconds for r in reports),
         float(sum(int(r.details.get("excluded", 0)) for r in reports)), float(sum(len(r.rmse_after) for r in reports)),
+        float(len(reports)), float(sum(r.met and r.details.get("defense_used", r.defense) in AIMED_DEFENSES for r in reports)),
     )
     return dict(zip(METRIC_KEYS, values, strict=True))
 

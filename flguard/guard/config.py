@@ -200,8 +200,9 @@ class GuardConfig(StrictModel):
     clip_quantile: float = Field(0.5, gt=0.0, le=1.0, description="with clip_per_sample='quantile': C = this "
                                  "quantile of the batch's per-sample gradient norms (the lower one: a sample's "
                                  "norm); 0.5 is 'median', 1 clips no sample")
-    clip_retention: float = Field(DEFAULT_CLIP_RETENTION, gt=0.0, le=1.0, description="with clip_per_sample='retention': the share "
-                                  "of the batch gradient's length along itself that the clipped sum keeps at least")
+    clip_retention: float = Field(DEFAULT_CLIP_RETENTION, gt=0.0, le=1.0, description="with clip_per_sample="
+                                  "'retention': the share of the batch gradient's length along itself that the "
+                                  "clipped sum keeps at least")
     on_unmet: Literal["drop", "max-noise", "send"] = "drop"
     acknowledge_unguarded: bool = Field(False, description="required with on_unmet='send'")
     seed: int | None = Field(None, description="None: noise from OS entropy; an int only for tests/benchmarks")

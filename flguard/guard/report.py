@@ -77,7 +77,8 @@ def summarise(reports: Sequence[GuardReport], dropped: bool = False) -> dict[str
         max(r.noise_norm for r in reports), max(r.rel_noise for r in reports),
         sum(float(r.matvecs) for r in reports), sum(r.seconds for r in reports),
         float(sum(int(r.details.get("excluded", 0)) for r in reports)), float(sum(len(r.rmse_after) for r in reports)),
-        float(len(reports)), float(sum(r.met and r.details.get("defense_used", r.defense) in AIMED_DEFENSES for r in reports)),
+        float(len(reports)),
+        float(sum(r.met and r.details.get("defense_used", r.defense) in AIMED_DEFENSES for r in reports)),
     )
     return dict(zip(METRIC_KEYS, values, strict=True))
 

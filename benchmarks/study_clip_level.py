@@ -4,8 +4,8 @@ For the first ``--batches`` batches of the round that ``bench_guard_models.py`` 
 seed and batch order), at C = the batch's median, 75th and 90th percentile of per-sample gradient norms, and at the
 ``"retention"`` rule's C for each ``--retention``: the clipped sum s = Σ_i min(1, C/‖g_i‖)·g_i against the batch
 gradient g = Σ_i g_i — its length ‖s‖/‖g‖, its cosine with g, and ⟨s, g⟩/‖g‖² (what ``"retention"`` bounds from
-below) — and, for the rule, the share of the batch at or below its C (the quantile it picked). Medians over the
-batches. Why: the median clip level stalled the trained CNN's guarded rounds even without noise
+below) — the share of the batch at or below C (the quantile picked) and C over the batch's median norm. Medians over
+the batches. Why: the median clip level stalled the trained CNN's guarded rounds even without noise
 (docs/results.md, "A clip level that keeps the step").
 
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python study_clip_level.py --model cnn --seed 2
@@ -54,11 +54,15 @@ def main() -> None:
         op = JacobianOperator(model, x[idx], y[idx])
         gradients = op.per_sample_gradients()
         norms = gradients.norm(dim=1)
+        median = clip_level("median", op)
         for name, setting, quantile, retention in levels:
             clip = clip_level(setting, op, quantile, retention if retention is not None else 0.5)
-            cells[name].append({**clipped_sum_shares(gradients, clip), "picked": float((norms <= clip).float().mean())})
+            cells[name].append({**clipped_sum_shares(gradients, clip), "picked": float((norms <= clip).float().mean()),
+                                "over_median": clip / median})
     rows = [{"model": args.model, "seed": args.seed, "B": args.batch, "clip level": name,
-             **{key: statistics.median(c[key] for c in found) for key in ("length", "cosine", "along", "picked")},
+             **{key: statistics.median(c[key] for c in found) for key in ("length", "cosine", "along", "picked",
+                                                                            "over_median")},
+             "C / median, range": f"{min(c['over_median'] for c in found):.3g}–{max(c['over_median'] for c in found):.3g}",
              "along, range": f"{min(c['along'] for c in found):.3g}–{max(c['along'] for c in found):.3g}"}
             for name, found in cells.items()]
     _, table = study_paths(f"study_clip_level_{args.model}_s{args.seed}")

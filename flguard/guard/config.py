@@ -64,9 +64,10 @@ DEFAULT_MAX_PRODUCTS = 400.0
 #: CNN 3e-2 takes 13% fewer products than 1e-2 for the same accuracy). On the trained quickstart CNN (B = 32)
 #: they sent 20 of 20 steps; without them 0 of 20. ``clip_per_sample="retention"`` (the smallest per-sample norm
 #: from the median up whose clipped sum keeps ``clip_retention`` of the batch gradient's length along it) gives the
-#: trained CNN's rounds their accuracy back, but collapsed one of six from-scratch frontier runs and lost 16–20 points
-#: on ResNet-18-GN rounds at B = 8 where the median lost 0.3–2.6 (docs/results.md, "A clip level that keeps the
-#: step"): an option for fine-tuning a trained model, not the default.
+#: trained CNN's rounds their accuracy back (five seeds of five within 5 points of unguarded training, the median's
+#: three), but it raises C, and the noise, by up to hundreds of times there, and one of six from-scratch frontier runs
+#: collapsed with it (docs/results.md, "A clip level that keeps the step"): an option for fine-tuning a trained
+#: model, not the default.
 DEFAULT_CLIP = "median"
 DEFAULT_CLIP_RETENTION = 0.25
 #: ``auto``'s aimed noise where the Gaussian is not sent (``flguard.guard.perturb.auto_order``): resolvent noise,

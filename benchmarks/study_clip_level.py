@@ -23,11 +23,12 @@ from _common import study_paths, write_table
 from bench_guard_models import _task
 
 
-def clipped_sum_shares(gradients: torch.Tensor, clip: float) -> dict:
-    """‖s‖/‖g‖, cos(s, g) and ⟨s, g⟩/‖g‖² for s the sum of ``gradients`` [B, dθ] clipped to ``clip``."""
-    grads = gradients.double()
-    g = grads.sum(dim=0)
-    s = (grads * torch.clamp(clip / grads.norm(dim=1), max=1.0)[:, None]).sum(dim=0)
+def clipped_sum_shares(op, clip: float) -> dict:
+    """‖s‖/‖g‖, cos(s, g) and ⟨s, g⟩/‖g‖² for s the batch's clipped sum at ``clip`` (``ClippedJacobian``'s upload)."""
+    from flguard.risk.clipped import ClippedJacobian
+
+    clipped = ClippedJacobian(op, clip)
+    s, g = clipped.gradient.double(), clipped.unclipped_gradient.double()
     return {"length": float(s.norm() / g.norm()), "cosine": float(s @ g / (s.norm() * g.norm())),
             "along": float(s @ g / (g @ g))}
 
@@ -52,12 +53,11 @@ def main() -> None:
     cells: dict[str, list[dict]] = {name: [] for name, *_ in levels}
     for idx in order.split(args.batch):
         op = JacobianOperator(model, x[idx], y[idx])
-        gradients = op.per_sample_gradients()
-        norms = gradients.norm(dim=1)
+        norms = op.per_sample_gradients().norm(dim=1)
         median = clip_level("median", op)
         for name, setting, quantile, retention in levels:
             clip = clip_level(setting, op, quantile, retention if retention is not None else 0.5)
-            cells[name].append({**clipped_sum_shares(gradients, clip), "picked": float((norms <= clip).float().mean()),
+            cells[name].append({**clipped_sum_shares(op, clip), "picked": float((norms <= clip).float().mean()),
                                 "over_median": clip / median})
     rows = [{"model": args.model, "seed": args.seed, "B": args.batch, "clip level": name,
              **{key: statistics.median(c[key] for c in found) for key in ("length", "cosine", "along", "picked",

@@ -34,7 +34,7 @@ def clipped_sum_shares(op, clip: float) -> dict:
 
 
 def main() -> None:
-    from flguard.guard.engine import clip_level
+    from flguard.guard.clipping import clip_level
     from flguard.risk.operator import JacobianOperator
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

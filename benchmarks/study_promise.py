@@ -61,7 +61,7 @@ import torch
 
 from _common import guard_settings, model_and_batch
 from flguard import Guard, GuardConfig
-from flguard.guard.engine import lower_quantile, retained_clip_level
+from flguard.guard.clipping import lower_quantile, retained_clip_level
 from flguard.attacks import metrics, reconstruct
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,8 +127,8 @@ def clipped_upload(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cli
                    quantile: float = 0.5, retention: float = 0.25) -> torch.Tensor:
     """The ``clip`` control: Σ_i min(1, C/‖g_i‖)·g_i / B — per-sample clipping, no noise (C = the lower
     median of the per-sample norms for ``"median"``, as the guard's default; their lower ``quantile``
-    quantile for ``"quantile"``: ``flguard.guard.engine.lower_quantile``, as the guard's ``clip_level``; for
-    ``"retention"`` ``flguard.guard.engine.retained_clip_level`` from the median up)."""
+    quantile for ``"quantile"``: ``flguard.guard.clipping.lower_quantile``, as the guard's ``clip_level``; for
+    ``"retention"`` ``flguard.guard.clipping.retained_clip_level`` from the median up)."""
     rows = [batch_gradient(model, x[i:i + 1], y[i:i + 1]) for i in range(x.shape[0])]
     if isinstance(clip, str):
         per = torch.stack(rows)

@@ -132,7 +132,7 @@ def test_the_retention_clip_level_has_its_closed_form():
     """g_1 = 10·e₁ and three g_i = e₁: the lower median is 1, whose clipped sum 4e₁ keeps 4/13 of g = 13e₁
     along g; a retention above 4/13 takes the next norm up, 10, which clips nothing. A zero batch gradient
     keeps the median."""
-    from flguard.guard.engine import retained_clip_level
+    from flguard.guard.clipping import retained_clip_level
 
     gradients = torch.zeros(4, 3)
     gradients[:, 0] = torch.tensor([10.0, 1.0, 1.0, 1.0])
@@ -150,10 +150,10 @@ def test_the_retention_clip_level_on_a_groupnorm_resnet_matches_a_brute_force_se
     explicitly clipped sum Σ_i g_i·min(1, C/‖g_i‖) — per-sample gradients by autograd, one sample at a time —
     has ⟨·, g⟩ ≥ retention·‖g‖²; what the guard sends minus the dense clipped upload at that C is exactly the
     reported noise. The inner products are taken in blocks of 997 parameters here (the guard's float64 blocks)."""
-    from flguard.guard import engine
+    from flguard.guard import clipping
     from flguard.models import create
 
-    monkeypatch.setattr(engine, "RETENTION_COLUMNS", 997)
+    monkeypatch.setattr(clipping, "RETENTION_COLUMNS", 997)
     torch.manual_seed(0)
     model = create("resnet8_gn", image_size=6).double()
     x, y = torch.randn(8, 3, 6, 6, dtype=torch.float64), torch.arange(8) % 10

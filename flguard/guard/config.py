@@ -192,12 +192,13 @@ class GuardConfig(StrictModel):
     eps: float = Field(DEFAULT_EPS_RELATIVE, ge=0.0, description="Tikhonov ε: × λmax per sample, or absolute")
     max_rel_noise: float = Field(10.0, gt=0.0, description="noise budget: ‖noise‖ / ‖gradient‖ (or / C with "
                                  "clip_per_sample) at most this; gaussian, eigen: 40 by default")
-    clip_per_sample: float | Literal["median", "quantile", "retention"] | None = Field(
+    clip_per_sample: float | Literal["median", "quantile", "retention", "auto"] | None = Field(
         None, description="C: clip each sample's gradient to norm C before the floor (the guard measures the "
         "clipped map); max_rel_noise is then relative to C. 'median': C = the median of the batch's per-sample "
-        "gradient norms, each step (flguard.guard.engine.clip_level); 'quantile': their clip_quantile quantile; "
+        "gradient norms, each step (flguard.guard.clipping.clip_level); 'quantile': their clip_quantile quantile; "
         "'retention': the smallest from the median up that keeps clip_retention of the gradient's length along it; "
-        "None: no clipping, the budget relative to ‖gradient‖; gaussian, eigen: 'median' by default")
+        "'auto': 'retention' while the noise sent keeps the parameters' moves small (needs the step size), else "
+        "the median (flguard.guard.clipping.AdaptiveClip); None: no clipping, the budget relative to ‖gradient‖; gaussian, eigen: 'median' by default")
     clip_quantile: float = Field(0.5, gt=0.0, le=1.0, description="with clip_per_sample='quantile': C = this "
                                  "quantile of the batch's per-sample gradient norms (the lower one: a sample's "
                                  "norm); 0.5 is 'median', 1 clips no sample")
@@ -253,8 +254,8 @@ class GuardConfig(StrictModel):
     def _positive_clip(self) -> "GuardConfig":
         clip = self.clip_per_sample
         if not isinstance(clip, str) and clip is not None and not (math.isfinite(clip) and clip > 0):
-            raise ValueError(f"clip_per_sample={clip} must be a positive number, 'median', 'quantile', 'retention' "
-                             "or None")
+            raise ValueError(f"clip_per_sample={clip} must be a positive number, 'median', 'quantile', 'retention', "
+                             "'auto' or None")
         return self
 
     @model_validator(mode="after")
@@ -323,12 +324,13 @@ class ThresholdGuardConfig(GuardConfig):
     defense: Literal["auto", "gaussian", "rowspace", "resolvent", "eigen"] = DEFAULT_DEFENSE
     # the defaults that send on trained models (see DEFAULT_CLIP); the baselines keep no clipping, a
     # budget relative to ‖gradient‖ and rtol 1e-3, so "none" stays the unmodified update
-    clip_per_sample: float | Literal["median", "quantile", "retention"] | None = Field(
+    clip_per_sample: float | Literal["median", "quantile", "retention", "auto"] | None = Field(
         DEFAULT_CLIP, description="C: clip each sample's gradient to norm C before the floor (the guard measures "
         "the clipped map); max_rel_noise is then relative to C. 'median' (default): C = the median of the batch's "
         "per-sample gradient norms, each step; 'quantile': their clip_quantile quantile; 'retention': the smallest of "
-        "them from the median up whose clipped sum keeps clip_retention of the gradient's length along it; None (or "
-        "'none'): no clipping, the budget relative to ‖gradient‖")
+        "them from the median up whose clipped sum keeps clip_retention of the gradient's length along it; 'auto': "
+        "'retention' while the noise sent keeps the parameters' moves small (needs the step size), else the median; "
+        "None (or 'none'): no clipping, the budget relative to ‖gradient‖")
     max_rel_noise: float = Field(DEFAULT_MAX_REL_NOISE, gt=0.0, description="noise budget: ‖noise‖ / C with "
                                  "clip_per_sample (or / ‖gradient‖ without) at most this")
     rtol: float = Field(DEFAULT_RTOL, gt=0.0, lt=0.1, description="solver tolerance (the floor is aimed at "

@@ -22,9 +22,10 @@ from torch import nn
 
 from flguard.defenses import draw_generator
 from flguard.defenses.gaussian import isotropic
-from flguard.guard.config import DEFAULT_CLIP_RETENTION, THRESHOLD_DEFENSES, GuardConfig
+from flguard.guard.clipping import CLIP_MAX_MOVE, AdaptiveClip, clip_level
+from flguard.guard.config import THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard.failure import GuardFailure, dead_network_reason, failure_reason
-from flguard.guard.floor import noise_budget
+from flguard.guard.floor import Outcome, noise_budget
 from flguard.guard.model_check import require_supported
 from flguard.guard.perturb import Perturber
 from flguard.guard.report import GuardOutput, GuardReport
@@ -42,6 +43,7 @@ class Guard:
         self.config = config if config is not None else GuardConfig()
         self._generators: dict[torch.device, torch.Generator] = {}
         self._perturber = Perturber(self.config)  # the defense; it keeps what auto learnt across steps
+        self._adaptive_clip = AdaptiveClip()  # clip_per_sample="auto": the recent steps' moves
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """One stream per device for the guard's lifetime: successive updates get fresh noise
@@ -70,14 +72,15 @@ class Guard:
         try:
             flat = _checked_gradient(gradient, model)
             op = JacobianOperator(model, x, y, loss_fn, limit=ProductLimit(batch, cfg.max_products, cfg.max_seconds))
+            # only auto (the defense, or the clip level) reads it
+            move_scale = _move_scale(model, step_size) if "auto" in (cfg.defense, cfg.clip_per_sample) else None
             with exact_float32(x.device):  # no TF32 in what the certificate rests on (flguard.risk.precision)
-                if cfg.clip_per_sample is not None:  # the attacker then inverts the clipped upload
-                    op = _clipped(op, flat, clip_level(cfg.clip_per_sample, op, cfg.clip_quantile, cfg.clip_retention))
-                    flat = op.gradient
-                    self._clip = op.clip
+                if cfg.clip_per_sample is None:
+                    outcome = self._perturber.perturb(op, flat, None, self._generator(x.device), move_scale=move_scale)
+                else:  # the attacker then inverts the clipped upload
+                    op, outcome, clip_details = self._clipped_step(op, flat, move_scale, self._generator(x.device))
                     clip_share = float((op.sample_norms <= op.clip).double().mean())
-                move_scale = _move_scale(model, step_size) if cfg.defense == "auto" else None  # only auto reads it
-                outcome = self._perturber.perturb(op, flat, self._clip, self._generator(x.device), move_scale=move_scale)
+                    flat = op.gradient
         except Exception as error:  # fail closed on anything, with the reason in the report
             reason = dead_network_reason(op, self._generator(x.device)) or failure_reason(error)
             return self._failed(gradient, batch, reason, op, start)
@@ -87,13 +90,46 @@ class Guard:
             rel_noise=float(outcome.noise.norm() / flat.norm().clamp_min(1e-30)), met=outcome.met, defense=cfg.defense,
             reason=outcome.reason, matvecs=op.applications, seconds=0.0, min_rmse=cfg.floor,
             details=outcome.info if self._clip is None else {**outcome.info, "clip": self._clip,
-                                                             "clip_share": clip_share},
+                                                             "clip_share": clip_share, **clip_details},
             rmse_error=None if outcome.rmse_error is None else outcome.rmse_error.cpu())
         if outcome.met or cfg.defense not in THRESHOLD_DEFENSES:
             report.seconds = time.perf_counter() - start
             base = flat if outcome.update is None else outcome.update
             return GuardOutput((base + outcome.noise).view_as(gradient), report)
         return self._apply_policy(flat, gradient, report, start)
+
+    def _clipped_step(self, op: JacobianOperator, flat: torch.Tensor, move_scale: float | None,
+                      generator: torch.Generator) -> tuple[ClippedJacobian, Outcome, dict]:
+        """The step on the clipped upload's operator at this step's C: (that operator, the defense's outcome,
+        what the report says of the level). ``clip_per_sample="auto"`` (``flguard.guard.clipping.AdaptiveClip``)
+        starts from the retention level and, where the noise it needed would move the parameters too far,
+        redoes the step at the median (its products count against the same step limit)."""
+        cfg = self.config
+        setting = self._adaptive_clip.setting(move_scale) if cfg.clip_per_sample == "auto" else cfg.clip_per_sample
+        clipped = _clipped(op, flat, clip_level(setting, op, cfg.clip_quantile, cfg.clip_retention))
+        self._clip = clipped.clip
+        memory = self._perturber.memory()
+        outcome = self._perturber.perturb(clipped, clipped.gradient, self._clip, generator, move_scale=move_scale)
+        if cfg.clip_per_sample != "auto":
+            return clipped, outcome, {}
+        details = {"clip_rule": setting}
+        if move_scale is not None and outcome.met:
+            move = move_scale * float(outcome.noise.norm())
+            median = clip_level("median", op)
+            if setting == "retention" and self._clip > median and self._adaptive_clip.too_far(move):
+                details["clip_reasons"] = (f"retention (C = {self._clip:.4g}, {self._clip / median:.3g}× the median): "
+                                           f"its noise would move the parameters by {move:.1%} of their norm, over "
+                                           f"{CLIP_MAX_MOVE:.0%} root mean square over the recent steps")
+                self._perturber.restore(memory)  # the retention attempt is not a step auto learns from
+                self._adaptive_clip.fall_back()
+                clipped = _clipped(op, flat, median)
+                self._clip, details["clip_rule"] = clipped.clip, "median"
+                outcome = self._perturber.perturb(clipped, clipped.gradient, self._clip, generator,
+                                                  move_scale=move_scale)
+                move = move_scale * float(outcome.noise.norm())
+            if outcome.met:
+                self._adaptive_clip.record(move)
+        return clipped, outcome, details
 
     # -- fail closed ------------------------------------------------------------------------
     def _apply_policy(self, flat: torch.Tensor, original: torch.Tensor, report: GuardReport, start: float) -> GuardOutput:
@@ -153,65 +189,6 @@ def _budget_noise(flat: torch.Tensor, cfg: GuardConfig, generator: torch.Generat
     """Isotropic noise of norm max_rel_noise·‖g‖ (or ·C) — the most the budget allows, no measurement needed."""
     z = isotropic(flat.shape, generator, flat).vector
     return z * (noise_budget(flat, cfg, clip) / float(z.norm()))
-
-
-def clip_level(setting: float | str, op: JacobianOperator, quantile: float = 0.5,
-               retention: float = DEFAULT_CLIP_RETENTION) -> float:
-    """This step's clipping norm C: ``clip_per_sample`` itself, or for ``"median"`` the median of the
-    batch's unscaled per-sample gradient norms ‖g_i‖ (the lower median for an even batch, so C is
-    one sample's norm; that sample is measured unclipped, the derivative of clip_C from below), for
-    ``"quantile"`` their ``quantile`` quantile (the lower one, again a sample's norm; 0.5 is the median),
-    for ``"retention"`` the smallest sample norm from the lower median up whose clipped sum keeps
-    ``retention`` of the batch gradient's length along it (``retained_clip_level``).
-
-    These need no tuning: C and the budget max_rel_noise·C scale with the model's gradients, from one
-    step to the next and from a small CNN to a ResNet; the median clips half the batch, a higher
-    quantile fewer. C is a statistic of the batch; the guard's threat model takes it as known to the
-    attacker (it is part of "everything but sample i"), and each block is measured at that C."""
-    if not isinstance(setting, str):
-        return float(setting)
-    gradients = op.per_sample_gradients()
-    share = quantile if setting == "quantile" else 0.5
-    level = lower_quantile(gradients.norm(dim=1), share)
-    if not level > 0:
-        raise GuardFailure(f"clip_per_sample={setting!r}: the batch's {share:g} quantile of per-sample gradient "
-                           "norms is 0 (that share of the batch has a zero gradient); set a numeric clip_per_sample")
-    return retained_clip_level(gradients, level, retention) if setting == "retention" else level
-
-
-def lower_quantile(norms: torch.Tensor, share: float) -> float:
-    """The batch's ``share`` quantile of per-sample gradient norms, the lower one (a sample's own norm):
-    ``clip_level``'s C for ``"median"`` (0.5) and ``"quantile"``."""
-    return float(torch.quantile(norms.double(), share, interpolation="lower"))
-
-
-#: Parameters per float64 block in ``retained_clip_level`` (B × this × 8 bytes: 64 MB at B = 32).
-RETENTION_COLUMNS = 2 ** 18
-
-
-def retained_clip_level(gradients: torch.Tensor, lowest: float, retention: float) -> float:
-    """The smallest per-sample norm C ≥ ``lowest`` with ⟨Σ_i clip_C(g_i), g⟩ ≥ ``retention``·‖g‖², g = Σ_i g_i
-    (``gradients`` [B, dθ], unscaled): clipping may shorten the step along the batch gradient to that share,
-    no further. Why: on a trained model the few samples it still gets wrong carry most of the gradient, and
-    the median clips them hardest (measured on the trained quickstart CNN: the median keeps 0.5–1.6% of the step
-    along g, and a round clipped so barely learns; on the ResNet-20-GN 39%). Not the default: a larger C needs
-    larger noise where the noise already dominates (docs/results.md, "A clip level that keeps the step"). ⟨clip_C(g_i), g⟩ = min(1, C/‖g_i‖)·a_i
-    with a_i = ⟨g_i, g⟩, one pass over the gradients; C = max ‖g_i‖ clips nothing and keeps all of g, so a
-    C always qualifies. A zero batch gradient (‖g‖ = 0) keeps ``lowest``."""
-    norms = gradients.norm(dim=1).double()  # as lower_quantile took them, so ``lowest`` is among them
-    # a_i = ⟨g_i, g⟩, Σ_i a_i = ‖g‖²
-    along = torch.zeros(len(norms), dtype=torch.float64, device=gradients.device)
-    for block in gradients.split(RETENTION_COLUMNS, dim=1):  # in float64 without a float64 copy of [B, dθ]
-        block = block.double()
-        along += block @ block.sum(dim=0)
-    total = float(along.sum())
-    if not total > 0:
-        return lowest
-    candidates = torch.sort(norms[norms >= lowest]).values  # the lower median's own norm first
-    factors = torch.clamp(candidates[:, None] / norms.clamp_min(1e-300)[None, :], max=1.0)  # [candidate, sample]
-    kept = (factors * along).sum(dim=1)
-    ok = torch.nonzero(kept >= retention * total).flatten()
-    return float(candidates[ok[0]]) if len(ok) else float(norms.max())
 
 
 def _clipped(op: JacobianOperator, flat: torch.Tensor, clip: float) -> ClippedJacobian:

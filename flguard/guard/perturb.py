@@ -225,6 +225,14 @@ class Perturber:
         outcome.reason = "; ".join(reasons)
         return outcome
 
+    def memory(self) -> tuple:
+        """What ``auto`` remembers across steps, to ``restore`` after an attempt that is not sent (the engine's
+        ``clip_per_sample="auto"`` redoing a step at another clip level)."""
+        return self._skip_first, self._move_square
+
+    def restore(self, memory: tuple) -> None:
+        self._skip_first, self._move_square = memory
+
     def _moved_too_far(self, noise: float, move_scale: float | None) -> bool:
         """Whether the Gaussian's moves, this one (``noise`` × ``move_scale``) included, exceed AUTO_MAX_MOVE
         in root mean square over the recent steps (an exponential average over AUTO_MOVE_STEPS); False

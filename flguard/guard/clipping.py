@@ -1,0 +1,135 @@
+"""The clip level C of per-sample clipping (``clip_per_sample``), one step after another.
+
+A number is C itself. The strings need no tuning: C comes from the batch's own per-sample gradient norms
+(``clip_level``), so C and the noise budget max_rel_noise·C scale with the model's gradients. ``"auto"``
+chooses between two of them across steps (``AdaptiveClip``): ``"retention"``, which keeps the step along the
+batch gradient, while the noise the guard sends keeps the parameters' moves small; the median otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flguard.guard.config import DEFAULT_CLIP_RETENTION
+from flguard.guard.failure import GuardFailure
+from flguard.guard.perturb import AUTO_MAX_MOVE
+from flguard.risk.operator import JacobianOperator
+
+__all__ = ["AdaptiveClip", "CLIP_MAX_MOVE", "clip_level", "lower_quantile", "retained_clip_level"]
+
+
+def clip_level(setting: float | str, op: JacobianOperator, quantile: float = 0.5,
+               retention: float = DEFAULT_CLIP_RETENTION) -> float:
+    """This step's clipping norm C: ``clip_per_sample`` itself, or for ``"median"`` the median of the
+    batch's unscaled per-sample gradient norms ‖g_i‖ (the lower median for an even batch, so C is
+    one sample's norm; that sample is measured unclipped, the derivative of clip_C from below), for
+    ``"quantile"`` their ``quantile`` quantile (the lower one, again a sample's norm; 0.5 is the median),
+    for ``"retention"`` the smallest sample norm from the lower median up whose clipped sum keeps
+    ``retention`` of the batch gradient's length along it (``retained_clip_level``). (``"auto"`` is one
+    of the last two at each step: ``AdaptiveClip`` says which.)
+
+    These need no tuning: C and the budget max_rel_noise·C scale with the model's gradients, from one
+    step to the next and from a small CNN to a ResNet; the median clips half the batch, a higher
+    quantile fewer. C is a statistic of the batch; the guard's threat model takes it as known to the
+    attacker (it is part of "everything but sample i"), and each block is measured at that C."""
+    if not isinstance(setting, str):
+        return float(setting)
+    gradients = op.per_sample_gradients()
+    share = quantile if setting == "quantile" else 0.5
+    level = lower_quantile(gradients.norm(dim=1), share)
+    if not level > 0:
+        raise GuardFailure(f"clip_per_sample={setting!r}: the batch's {share:g} quantile of per-sample gradient "
+                           "norms is 0 (that share of the batch has a zero gradient); set a numeric clip_per_sample")
+    return retained_clip_level(gradients, level, retention) if setting == "retention" else level
+
+
+def lower_quantile(norms: torch.Tensor, share: float) -> float:
+    """The batch's ``share`` quantile of per-sample gradient norms, the lower one (a sample's own norm):
+    ``clip_level``'s C for ``"median"`` (0.5) and ``"quantile"``."""
+    return float(torch.quantile(norms.double(), share, interpolation="lower"))
+
+
+#: Parameters per float64 block in ``retained_clip_level`` (B × this × 8 bytes: 64 MB at B = 32).
+RETENTION_COLUMNS = 2 ** 18
+
+
+def retained_clip_level(gradients: torch.Tensor, lowest: float, retention: float) -> float:
+    """The smallest per-sample norm C ≥ ``lowest`` with ⟨Σ_i clip_C(g_i), g⟩ ≥ ``retention``·‖g‖², g = Σ_i g_i
+    (``gradients`` [B, dθ], unscaled): clipping may shorten the step along the batch gradient to that share,
+    no further. Why: on a trained model the few samples it still gets wrong carry most of the gradient, and
+    the median clips them hardest (measured on the trained quickstart CNN: the median keeps 0.5–1.6% of the step
+    along g, and a round clipped so barely learns; on the ResNet-20-GN 39%). A larger C needs larger noise,
+    which training from scratch does not survive: ``"auto"`` (``AdaptiveClip``) bounds that; "retention" alone
+    does not (docs/results.md, "A clip level that keeps the step"). ⟨clip_C(g_i), g⟩ = min(1, C/‖g_i‖)·a_i
+    with a_i = ⟨g_i, g⟩, one pass over the gradients; C = max ‖g_i‖ clips nothing and keeps all of g, so a
+    C always qualifies. A zero batch gradient (‖g‖ = 0) keeps ``lowest``."""
+    norms = gradients.norm(dim=1).double()  # as lower_quantile took them, so ``lowest`` is among them
+    # a_i = ⟨g_i, g⟩, Σ_i a_i = ‖g‖²
+    along = torch.zeros(len(norms), dtype=torch.float64, device=gradients.device)
+    for block in gradients.split(RETENTION_COLUMNS, dim=1):  # in float64 without a float64 copy of [B, dθ]
+        block = block.double()
+        along += block @ block.sum(dim=0)
+    total = float(along.sum())
+    if not total > 0:
+        return lowest
+    candidates = torch.sort(norms[norms >= lowest]).values  # the lower median's own norm first
+    factors = torch.clamp(candidates[:, None] / norms.clamp_min(1e-300)[None, :], max=1.0)  # [candidate, sample]
+    kept = (factors * along).sum(dim=1)
+    ok = torch.nonzero(kept >= retention * total).flatten()
+    return float(candidates[ok[0]]) if len(ok) else float(norms.max())
+
+
+#: ``clip_per_sample="auto"`` keeps the retention level only while the noise sent moves the parameters by at
+#: most this share of their norm per step, in root mean square over the recent steps (an exponential average
+#: over CLIP_MOVE_STEPS, this step's included); beyond it the step is redone at the median and the next
+#: CLIP_MEDIAN_STEPS steps take the median directly. The same limit as ``auto``'s on the Gaussian's moves
+#: (``flguard.guard.perturb.AUTO_MAX_MOVE``: 11–16% in root mean square collapsed training from scratch): one
+#: bound on what the guard's noise does to the weights, whichever noise and clip level sent it. Measured
+#: (docs/results.md, "A clip level for both regimes"; ``benchmarks/study_gaussian_move.py --guard defense=auto
+#: clip_per_sample=retention``): on the trained quickstart CNN (lr 0.01) the retention level's noise moved the
+#: weights 0.2–1.0% a step (root mean square 0.5%); on the CNN trained from scratch (lr 0.1) 8.4% after 150
+#: unguarded steps and 24% after 400, where a federated run with it collapsed to 10.6%.
+CLIP_MAX_MOVE = AUTO_MAX_MOVE
+CLIP_MOVE_STEPS = 8
+CLIP_MEDIAN_STEPS = 8
+
+
+class AdaptiveClip:
+    """``clip_per_sample="auto"`` across steps: which level a step starts from (``setting``), and whether the
+    noise that level needed moves the parameters too far (``too_far``), from the sent noises' recent moves
+    m = step size·‖noise‖/‖θ‖. Without a step size there is nothing to judge the move by: the median."""
+
+    def __init__(self) -> None:
+        self._square: float | None = None  # the sent noises' mean square move, exponentially averaged
+        self._median_steps = 0  # steps left that take the median directly (CLIP_MEDIAN_STEPS)
+
+    def setting(self, move_scale: float | None) -> str:
+        """``"retention"`` or ``"median"`` for this step (``move_scale``: step size ÷ ‖θ‖, or None)."""
+        if move_scale is None:
+            return "median"
+        if self._median_steps > 0:
+            self._median_steps -= 1
+            return "median"
+        return "retention"
+
+    def too_far(self, move: float) -> bool:
+        """Whether a step sent with this ``move`` would lift the recent moves' root mean square over
+        CLIP_MAX_MOVE (nothing is recorded: ``record`` the move actually sent)."""
+        return self._averaged(move) ** 0.5 > CLIP_MAX_MOVE
+
+    def fall_back(self) -> None:
+        """The retention level moved too far: the next CLIP_MEDIAN_STEPS steps take the median."""
+        self._median_steps = CLIP_MEDIAN_STEPS
+
+    def record(self, move: float) -> None:
+        """The move of the noise sent this step (zero noise, a withheld step: not recorded)."""
+        self._square = self._averaged(move)
+
+    @property
+    def recent_move(self) -> float | None:
+        """The recent moves' root mean square (None before the first)."""
+        return None if self._square is None else self._square ** 0.5
+
+    def _averaged(self, move: float) -> float:
+        square = move * move
+        return square if self._square is None else self._square + (square - self._square) / CLIP_MOVE_STEPS

@@ -109,7 +109,7 @@ def test_the_running_average_written_out():
     assert rule.setting(None) == "median" and rule.setting(1.0) == "retention" and rule.recent_move is None
     rule.record(0.04)
     assert rule.recent_move == pytest.approx(0.04)
-    # m² averaged over CLIP_MOVE_STEPS: 0.04² + (m² − 0.04²)/8 > 0.1² ⟺ m > √(8·0.01 − 7·0.0016)
+    # m² averaged over CLIP_MOVE_STEPS: 0.04² + (m² − 0.04²)/8 > CLIP_MAX_MOVE² ⟺ m > √(8·CLIP_MAX_MOVE² − 7·0.04²)
     edge = (CLIP_MOVE_STEPS * CLIP_MAX_MOVE ** 2 - (CLIP_MOVE_STEPS - 1) * 0.04 ** 2) ** 0.5
     assert not rule.too_far(0.999 * edge) and rule.too_far(1.001 * edge)
     assert rule.recent_move == pytest.approx(0.04)  # too_far records nothing

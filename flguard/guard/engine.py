@@ -27,7 +27,7 @@ from flguard.guard.config import THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard.failure import GuardFailure, dead_network_reason, failure_reason
 from flguard.guard.floor import Outcome, noise_budget
 from flguard.guard.model_check import require_supported
-from flguard.guard.perturb import Perturber
+from flguard.guard.perturb import AUTO_MAX_MOVE, Perturber
 from flguard.guard.report import GuardOutput, GuardReport
 from flguard.risk.clipped import ClippedJacobian, Jacobian
 from flguard.risk.operator import JacobianOperator, LossFn, ProductLimit
@@ -102,14 +102,17 @@ class Guard:
                       generator: torch.Generator) -> tuple[ClippedJacobian, Outcome, dict]:
         """The step on the clipped upload's operator at this step's C: (that operator, the defense's outcome,
         what the report says of the level). ``clip_per_sample="auto"`` (``flguard.guard.clipping.AdaptiveClip``)
-        starts from the retention level and, where the noise it needed would move the parameters too far,
-        redoes the step at the median (its products count against the same step limit)."""
+        starts from the retention level, where ``auto`` sends the Gaussian only while its moves stay within
+        CLIP_MAX_MOVE, and where the noise sent would still move the parameters too far it redoes the step at the
+        median (its products count against the same step limit)."""
         cfg = self.config
         setting = self._adaptive_clip.setting(move_scale) if cfg.clip_per_sample == "auto" else cfg.clip_per_sample
         clipped = _clipped(op, flat, clip_level(setting, op, cfg.clip_quantile, cfg.clip_retention))
         self._clip = clipped.clip
         memory = self._perturber.memory()
-        outcome = self._perturber.perturb(clipped, clipped.gradient, self._clip, generator, move_scale=move_scale)
+        # at the raised level auto sends the Gaussian only within the stricter limit, else its aimed noise
+        outcome = self._perturber.perturb(clipped, clipped.gradient, self._clip, generator, move_scale=move_scale,
+                                          max_move=CLIP_MAX_MOVE if setting == "retention" else AUTO_MAX_MOVE)
         if cfg.clip_per_sample != "auto":
             return clipped, outcome, {}
         details = {"clip_rule": setting}

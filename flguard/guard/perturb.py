@@ -96,14 +96,15 @@ class Perturber:
         self._move_square: float | None = None  # auto: the Gaussian's mean square move (AUTO_MAX_MOVE)
 
     def perturb(self, op: Jacobian, flat: torch.Tensor, clip: float | None, generator: torch.Generator,
-                kind: str | None = None, move_scale: float | None = None) -> Outcome:
+                kind: str | None = None, move_scale: float | None = None, max_move: float = AUTO_MAX_MOVE) -> Outcome:
         """The configured defense's outcome on this step (``kind``: the threshold defense to apply
         instead, for ``auto``; ``move_scale``: step size ÷ ‖θ‖, which turns ‖noise‖ into the share of
-        the parameters' norm it moves them by, for auto's AUTO_MAX_MOVE)."""
+        the parameters' norm it moves them by, for auto's limit ``max_move``: AUTO_MAX_MOVE, or the engine's
+        stricter one at a raised clip level, ``flguard.guard.clipping.CLIP_MAX_MOVE``)."""
         cfg = self.config
         kind = kind or cfg.defense
         if kind == "auto":
-            return self._auto(op, flat, clip, generator, move_scale)
+            return self._auto(op, flat, clip, generator, move_scale, max_move)
         eigen = kind == "eigen"
         one_run = kind in ONE_RUN_KINDS and LANCZOS_SOLVE and cfg.floor > 0
         if kind in THRESHOLD_DEFENSES and not one_run:  # the one-run solve skips them itself
@@ -184,10 +185,10 @@ class Perturber:
                        None if outcome.rmse_error is None else full(outcome.rmse_error, 0.0))
 
     def _auto(self, op: Jacobian, flat: torch.Tensor, clip: float | None, generator: torch.Generator,
-              move_scale: float | None) -> Outcome:
+              move_scale: float | None, max_move: float = AUTO_MAX_MOVE) -> Outcome:
         """``auto``: each of ``auto_order`` in turn on the same operator (its products count against the
         same step limit) until one meets the floor within the budget — the first, isotropic kind only
-        while its moves stay within AUTO_MAX_MOVE (``_moved_too_far``), else kept as the fallback; the
+        while its moves stay within ``max_move`` (``_moved_too_far``), else kept as the fallback; the
         last one's outcome when none met. The report's details name the one that was sent
         (``defense_used``) and why the others were not (``auto_reasons``)."""
         reasons, order, fallback, outcome = [], auto_order(self.config), None, None
@@ -196,7 +197,7 @@ class Perturber:
             self._skip_first -= 1
             order = order[1:] + order[:1]
             reasons.append(f"{first}: tried last (within the last {AUTO_SKIP_STEPS} steps it needed over "
-                           f"{AUTO_SKIP_FACTOR:g}× the budget or its moves exceeded {AUTO_MAX_MOVE:.0%})")
+                           f"{AUTO_SKIP_FACTOR:g}× the budget or its moves exceeded their limit)")
         for kind in order:
             try:
                 outcome = self.perturb(op, flat, clip, generator, kind)
@@ -206,14 +207,14 @@ class Perturber:
                 continue
             outcome.info["defense_used"] = kind
             noise = float(outcome.noise.norm())
-            far = kind == first and outcome.met and self._moved_too_far(noise, move_scale)
+            far = kind == first and outcome.met and self._moved_too_far(noise, move_scale, max_move)
             if outcome.met and not far:
                 return _noted(outcome, reasons)
             if outcome.met:
                 fallback = outcome
                 reasons.append(f"{kind}: its noise would move the parameters by {noise * move_scale:.1%} of their norm, "
                                f"{self._move_square ** 0.5:.1%} root mean square over the recent steps (over "
-                               f"{AUTO_MAX_MOVE:.0%})")
+                               f"{max_move:.0%})")
             else:
                 reasons.append(f"{kind}: {outcome.reason}")
             if kind == first and (far or noise > AUTO_SKIP_FACTOR * noise_budget(flat, self.config, clip)):
@@ -233,8 +234,8 @@ class Perturber:
     def restore(self, memory: tuple) -> None:
         self._skip_first, self._move_square = memory
 
-    def _moved_too_far(self, noise: float, move_scale: float | None) -> bool:
-        """Whether the Gaussian's moves, this one (``noise`` × ``move_scale``) included, exceed AUTO_MAX_MOVE
+    def _moved_too_far(self, noise: float, move_scale: float | None, max_move: float = AUTO_MAX_MOVE) -> bool:
+        """Whether the Gaussian's moves, this one (``noise`` × ``move_scale``) included, exceed ``max_move``
         in root mean square over the recent steps (an exponential average over AUTO_MOVE_STEPS); False
         without a step size."""
         if move_scale is None:
@@ -242,7 +243,7 @@ class Perturber:
         square = (noise * move_scale) ** 2
         previous = self._move_square
         self._move_square = square if previous is None else previous + (square - previous) / AUTO_MOVE_STEPS
-        return self._move_square ** 0.5 > AUTO_MAX_MOVE
+        return self._move_square ** 0.5 > max_move
 
 
 def _noted(outcome: Outcome, reasons: list[str]) -> Outcome:

@@ -252,7 +252,7 @@ API: list[tuple[str, str, list[str]]] = [
         "guard_config_model", "defense_fields", "all_guard_fields"]),
     ("flguard.guard.training", "Guarding an unchanged training loop", ["GuardedOptimizer", "GuardedCriterion",
                                                                        "GuardMisuse"]),
-    ("flguard.guard.engine", "The clipping level", ["clip_level"]),
+    ("flguard.guard.clipping", "The clipping level", ["clip_level", "AdaptiveClip"]),
     ("flguard.risk", "Risk metrics", ["assess", "RiskReport", "architecture_index", "JacobianOperator", "RegularisedK",
                                      "lanczos", "conjugate_gradient"]),
     ("flguard.attacks", "Attacks", ["reconstruct", "Reconstruction", "hyperparameters_of", "methods",

@@ -62,13 +62,16 @@ DEFAULT_MAX_PRODUCTS = 400.0
 #: sample's certified bound takes its own verified solver error off — with the box, by the
 #: saturation-aware bound of ``flguard.guard.box_bound`` — and is fitted to τ(1 + rtol): on the trained
 #: CNN 3e-2 takes 13% fewer products than 1e-2 for the same accuracy). On the trained quickstart CNN (B = 32)
-#: they sent 20 of 20 steps; without them 0 of 20. ``clip_per_sample="retention"`` (the smallest per-sample norm
-#: from the median up whose clipped sum keeps ``clip_retention`` of the batch gradient's length along it) gives the
-#: trained CNN's rounds their accuracy back (five seeds of five within 5 points of unguarded training, the median's
-#: three), but it raises C, and the noise, by up to hundreds of times there, and one of six from-scratch frontier runs
-#: collapsed with it (docs/results.md, "A clip level that keeps the step"): an option for fine-tuning a trained
-#: model, not the default.
-DEFAULT_CLIP = "median"
+#: they sent 20 of 20 steps; without them 0 of 20. The clip level: ``"auto"`` (``flguard.guard.clipping.AdaptiveClip``)
+#: — ``"retention"`` (the smallest per-sample norm from the median up whose clipped sum keeps ``clip_retention`` of the
+#: batch gradient's length along it) while the noise sent keeps the weights' moves within 5% in root mean square
+#: (``CLIP_MAX_MOVE``), else the median. The median alone keeps 0.5–1.6% of the trained CNN's step along the gradient,
+#: and its rounds ended 2.4–7.1 points below unguarded training (three or two seeds of five within 5 points);
+#: ``"auto"`` ended 0.7–3.5 points below on five of five; "retention" alone did as well there but collapsed one of six
+#: from-scratch federated runs, its noise moving the weights by 24% a step in root mean square; ``"auto"`` kept those moves under 5%
+#: (docs/results.md, "A clip level for both regimes"). Without a step size (Adam, a loop that does not pass it) it
+#: is the median.
+DEFAULT_CLIP = "auto"
 DEFAULT_CLIP_RETENTION = 0.25
 #: ``auto``'s aimed noise where the Gaussian is not sent (``flguard.guard.perturb.auto_order``): resolvent noise,
 #: whose direction comes from the λmax Lanczos run the guard runs anyway (9 steps instead of 5–7). Measured
@@ -198,7 +201,8 @@ class GuardConfig(StrictModel):
         "gradient norms, each step (flguard.guard.clipping.clip_level); 'quantile': their clip_quantile quantile; "
         "'retention': the smallest from the median up that keeps clip_retention of the gradient's length along it; "
         "'auto': 'retention' while the noise sent keeps the parameters' moves small (needs the step size), else "
-        "the median (flguard.guard.clipping.AdaptiveClip); None: no clipping, the budget relative to ‖gradient‖; gaussian, eigen: 'median' by default")
+        "the median (flguard.guard.clipping.AdaptiveClip); None: no clipping, the budget relative to ‖gradient‖; "
+        "auto, gaussian, eigen: 'auto' by default")
     clip_quantile: float = Field(0.5, gt=0.0, le=1.0, description="with clip_per_sample='quantile': C = this "
                                  "quantile of the batch's per-sample gradient norms (the lower one: a sample's "
                                  "norm); 0.5 is 'median', 1 clips no sample")
@@ -326,10 +330,11 @@ class ThresholdGuardConfig(GuardConfig):
     # budget relative to ‖gradient‖ and rtol 1e-3, so "none" stays the unmodified update
     clip_per_sample: float | Literal["median", "quantile", "retention", "auto"] | None = Field(
         DEFAULT_CLIP, description="C: clip each sample's gradient to norm C before the floor (the guard measures "
-        "the clipped map); max_rel_noise is then relative to C. 'median' (default): C = the median of the batch's "
+        "the clipped map); max_rel_noise is then relative to C. 'median': C = the median of the batch's "
         "per-sample gradient norms, each step; 'quantile': their clip_quantile quantile; 'retention': the smallest of "
-        "them from the median up whose clipped sum keeps clip_retention of the gradient's length along it; 'auto': "
-        "'retention' while the noise sent keeps the parameters' moves small (needs the step size), else the median; "
+        "them from the median up whose clipped sum keeps clip_retention of the gradient's length along it; 'auto' "
+        "(default): 'retention' while the noise sent keeps the parameters' moves small (needs the step size), else "
+        "the median; "
         "None (or 'none'): no clipping, the budget relative to ‖gradient‖")
     max_rel_noise: float = Field(DEFAULT_MAX_REL_NOISE, gt=0.0, description="noise budget: ‖noise‖ / C with "
                                  "clip_per_sample (or / ‖gradient‖ without) at most this")

@@ -104,9 +104,11 @@ def _trained(name: str, steps: int, guard: dict, seed: int) -> list[dict]:
 
 def _running_rms(moves: list[float], steps: int) -> float:
     """The largest exponential running root mean square (``flguard.guard.perturb.Perturber._moved_too_far``)."""
+    from flguard.guard.perturb import averaged_square
+
     square, largest = None, 0.0
     for m in moves:
-        square = m * m if square is None else square + (m * m - square) / steps
+        square = averaged_square(square, m, steps)
         largest = max(largest, square ** 0.5)
     return largest
 

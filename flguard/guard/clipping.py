@@ -12,7 +12,7 @@ import torch
 
 from flguard.guard.config import DEFAULT_CLIP_RETENTION
 from flguard.guard.failure import GuardFailure
-from flguard.guard.perturb import AUTO_MAX_MOVE
+from flguard.guard.perturb import AUTO_MAX_MOVE, averaged_square
 from flguard.risk.operator import JacobianOperator
 
 __all__ = ["AdaptiveClip", "CLIP_MAX_MOVE", "clip_level", "lower_quantile", "retained_clip_level"]
@@ -132,5 +132,4 @@ class AdaptiveClip:
         return None if self._square is None else self._square ** 0.5
 
     def _averaged(self, move: float) -> float:
-        square = move * move
-        return square if self._square is None else self._square + (square - self._square) / CLIP_MOVE_STEPS
+        return averaged_square(self._square, move, CLIP_MOVE_STEPS)

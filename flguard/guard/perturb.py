@@ -240,10 +240,15 @@ class Perturber:
         without a step size."""
         if move_scale is None:
             return False
-        square = (noise * move_scale) ** 2
-        previous = self._move_square
-        self._move_square = square if previous is None else previous + (square - previous) / AUTO_MOVE_STEPS
+        self._move_square = averaged_square(self._move_square, noise * move_scale, AUTO_MOVE_STEPS)
         return self._move_square ** 0.5 > max_move
+
+
+def averaged_square(previous: float | None, move: float, steps: int) -> float:
+    """The exponential running mean of squared moves over ``steps`` steps with this ``move`` included (its square
+    alone for the first): what ``auto``'s AUTO_MAX_MOVE and the clip level's CLIP_MAX_MOVE are compared with."""
+    square = move * move
+    return square if previous is None else previous + (square - previous) / steps
 
 
 def _noted(outcome: Outcome, reasons: list[str]) -> Outcome:

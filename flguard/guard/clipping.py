@@ -36,11 +36,12 @@ def clip_level(setting: float | str, op: JacobianOperator, quantile: float = 0.5
         return float(setting)
     gradients = op.per_sample_gradients()
     share = quantile if setting == "quantile" else 0.5
-    level = lower_quantile(gradients.norm(dim=1), share)
+    norms = gradients.norm(dim=1)
+    level = lower_quantile(norms, share)
     if not level > 0:
         raise GuardFailure(f"clip_per_sample={setting!r}: the batch's {share:g} quantile of per-sample gradient "
                            "norms is 0 (that share of the batch has a zero gradient); set a numeric clip_per_sample")
-    return retained_clip_level(gradients, level, retention) if setting == "retention" else level
+    return retained_clip_level(gradients, level, retention, norms) if setting == "retention" else level
 
 
 def lower_quantile(norms: torch.Tensor, share: float) -> float:
@@ -53,7 +54,8 @@ def lower_quantile(norms: torch.Tensor, share: float) -> float:
 RETENTION_COLUMNS = 2 ** 18
 
 
-def retained_clip_level(gradients: torch.Tensor, lowest: float, retention: float) -> float:
+def retained_clip_level(gradients: torch.Tensor, lowest: float, retention: float,
+                        norms: torch.Tensor | None = None) -> float:
     """The smallest per-sample norm C ≥ ``lowest`` with ⟨Σ_i clip_C(g_i), g⟩ ≥ ``retention``·‖g‖², g = Σ_i g_i
     (``gradients`` [B, dθ], unscaled): clipping may shorten the step along the batch gradient to that share,
     no further. Why: on a trained model the few samples it still gets wrong carry most of the gradient, and
@@ -62,8 +64,10 @@ def retained_clip_level(gradients: torch.Tensor, lowest: float, retention: float
     which training from scratch does not survive: ``"auto"`` (``AdaptiveClip``) bounds that; "retention" alone
     does not (docs/results.md, "A clip level that keeps the step"). ⟨clip_C(g_i), g⟩ = min(1, C/‖g_i‖)·a_i
     with a_i = ⟨g_i, g⟩, one pass over the gradients; C = max ‖g_i‖ clips nothing and keeps all of g, so a
-    C always qualifies. A zero batch gradient (‖g‖ = 0) keeps ``lowest``."""
-    norms = gradients.norm(dim=1).double()  # as lower_quantile took them, so ``lowest`` is among them
+    C always qualifies. A zero batch gradient (‖g‖ = 0) keeps ``lowest``. ``norms``: the ‖g_i‖ when the caller has
+    them (``clip_level``: those it took the median of), else taken here."""
+    # as lower_quantile took them, so ``lowest`` is among them
+    norms = (gradients.norm(dim=1) if norms is None else norms).double()
     # a_i = ⟨g_i, g⟩, Σ_i a_i = ‖g‖²
     along = torch.zeros(len(norms), dtype=torch.float64, device=gradients.device)
     for block in gradients.split(RETENTION_COLUMNS, dim=1):  # in float64 without a float64 copy of [B, dθ]

@@ -22,7 +22,7 @@ from torch import nn
 
 from flguard.defenses import draw_generator
 from flguard.defenses.gaussian import isotropic
-from flguard.guard.clipping import CLIP_MAX_MOVE, AdaptiveClip, clip_level
+from flguard.guard.clipping import CLIP_MAX_MOVE, AdaptiveClip, clip_level, lower_quantile
 from flguard.guard.config import THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard.failure import GuardFailure, dead_network_reason, failure_reason
 from flguard.guard.floor import Outcome, noise_budget
@@ -118,7 +118,7 @@ class Guard:
         details = {"clip_rule": setting}
         if move_scale is not None and outcome.met:
             move = move_scale * float(outcome.noise.norm())
-            median = clip_level("median", op)
+            median = lower_quantile(clipped.sample_norms, 0.5)  # clip_level's median, from the norms at hand
             if setting == "retention" and self._clip > median and self._adaptive_clip.too_far(move):
                 details["clip_reasons"] = (f"retention (C = {self._clip:.4g}, {self._clip / median:.3g}× the median): "
                                            f"its noise would move the parameters by {move:.1%} of their norm, over "

@@ -50,7 +50,12 @@ def interpolate(points: list[tuple[float, float]], psnr: float) -> tuple[float, 
 
 
 def p5_table(rows: list[dict], column: str) -> list[dict]:
+    """Each guard's P5 against every attack or the fishing attacker alone (``column``), and its ceiling: the P5
+    a defense with the undefended run's accuracy would get at the same PSNR (``none`` minus LocalDpMod there, in
+    points; absent without a ``none`` row). Where LocalDpMod's ε cost no accuracy the ceiling is near zero, and no
+    defense that does not train better than no defense reaches P5's goal (≥ +5)."""
     dp = [(_float(r[column]), _float(r["final_accuracy"])) for r in rows if r["kind"] == "localdp"]
+    undefended = next((_float(r["final_accuracy"]) for r in rows if r["kind"] == "none"), None)
     dp = [(p, a) for p, a in dp if p is not None and a is not None]
     table = []
     for row in rows:
@@ -61,6 +66,8 @@ def p5_table(rows: list[dict], column: str) -> list[dict]:
         if psnr is not None and accuracy is not None and len(dp) >= 2:
             reference, inside = interpolate(dp, psnr)
             entry.update(localdp_accuracy=reference, p5_points=100 * (accuracy - reference), inside_localdp_range=inside)
+            if undefended is not None:
+                entry["p5_ceiling"] = 100 * (undefended - reference)
         table.append(entry)
     return table
 

@@ -66,11 +66,11 @@ DEFAULT_MAX_PRODUCTS = 400.0
 #: — ``"retention"`` (the smallest per-sample norm from the median up whose clipped sum keeps ``clip_retention`` of the
 #: batch gradient's length along it) while the noise sent keeps the weights' moves within 5% in root mean square
 #: (``CLIP_MAX_MOVE``), else the median. The median alone keeps 0.5–1.6% of the trained CNN's step along the gradient,
-#: and its rounds ended 2.4–7.1 points below unguarded training (three or two seeds of five within 5 points);
-#: ``"auto"`` ended 0.7–3.5 points below on five of five; "retention" alone did as well there but collapsed one of six
-#: from-scratch federated runs, its noise moving the weights by 24% a step in root mean square; ``"auto"`` kept those moves under 5%
-#: (docs/results.md, "A clip level for both regimes"). Without a step size (Adam, a loop that does not pass it) it
-#: is the median.
+#: and its rounds ended 2.4–7.1 points below unguarded training (three seeds of five within 5 points); ``"auto"``
+#: ended 0.7–3.5 points below on five of five; "retention" alone did as well there but collapsed one of six
+#: from-scratch federated runs, its noise moving the weights by 7.5–24% a step in root mean square; ``"auto"`` kept
+#: those moves under 5% and six such runs did not collapse (docs/results.md, "A clip level for both regimes").
+#: Without a step size (Adam, a loop that does not pass it) it is the median.
 DEFAULT_CLIP = "auto"
 DEFAULT_CLIP_RETENTION = 0.25
 #: ``auto``'s aimed noise where the Gaussian is not sent (``flguard.guard.perturb.auto_order``): resolvent noise,

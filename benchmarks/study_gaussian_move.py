@@ -17,6 +17,10 @@ root mean square over AUTO_MOVE_STEPS steps (what ``auto`` compares with AUTO_MA
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python study_gaussian_move.py
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python study_gaussian_move.py --trained resnet20_gn \
         --trained-steps 10 --scratch                                       # the ResNet-20-GN's round only
+
+``--guard FIELD=VALUE …`` guards with other settings instead (e.g. ``defense=auto clip_per_sample=retention``: what the
+noise ``auto`` sends at a raised clip level does to the weights; docs/results.md, "A clip level for both regimes"); each
+row then also names the kind sent and the step's C over the batch's median per-sample norm.
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ def problem():
 
 
 def _config(**extra) -> GuardConfig:
-    return GuardConfig(**{"defense": "auto", **extra}, min_rmse=TAU, seed=2, clip_per_sample="auto", clip_retention=RETENTION, max_rel_noise=1e6,
-                       max_excluded=0.0)
+    return GuardConfig(**{"defense": "auto", "clip_per_sample": "auto", **extra}, min_rmse=TAU, seed=2,
+                       clip_retention=RETENTION, max_rel_noise=1e6, max_excluded=0.0)
 
 
 def _sent_noise(per: torch.Tensor, clip: float, sent: torch.Tensor) -> float:
@@ -96,6 +96,25 @@ def test_the_limit_is_on_the_running_root_mean_square_of_the_moves(problem):
     far = Guard(_config(defense="gaussian")).protect(model, x, y, g, step_size=1.1 * at_limit)
     assert near.report.details["clip_rule"] == "retention" and near.report.details["clip"] == pytest.approx(retained)
     assert far.report.details["clip_rule"] == "median"
+
+
+def test_only_the_raised_level_of_auto_judges_the_gaussian_against_the_stricter_limit(problem):
+    """At a step size where the Gaussian at the retention level moves the weights by 7.5% — over CLIP_MAX_MOVE, under
+    AUTO_MAX_MOVE — an explicit ``clip_per_sample="retention"`` still sends the Gaussian (auto's own 10%), while
+    ``"auto"`` does not send it at that level (its aimed noise, or the median)."""
+    from flguard.guard.perturb import AUTO_MAX_MOVE
+
+    model, x, y, per, _, retained, theta = problem
+    g = per.sum(0) / 8
+    probe = Guard(_config(defense="gaussian", clip_per_sample="retention")).protect(model, x, y, g, step_size=1e-12)
+    step = 0.75 * AUTO_MAX_MOVE * theta / probe.report.noise_norm
+    assert CLIP_MAX_MOVE < 0.75 * AUTO_MAX_MOVE
+    explicit = Guard(_config(clip_per_sample="retention")).protect(model, x, y, g, step_size=step)
+    assert explicit.report.details["defense_used"] == "gaussian"
+    assert explicit.report.details["clip"] == pytest.approx(retained)
+    adaptive = Guard(_config()).protect(model, x, y, g, step_size=step)
+    assert not (adaptive.report.details["clip_rule"] == "retention"
+                and adaptive.report.details["defense_used"] == "gaussian")
 
 
 def test_without_a_step_size_the_level_is_the_median(problem):

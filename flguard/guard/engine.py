@@ -109,12 +109,13 @@ class Guard:
         setting = self._adaptive_clip.setting(move_scale) if cfg.clip_per_sample == "auto" else cfg.clip_per_sample
         clipped = _clipped(op, flat, clip_level(setting, op, cfg.clip_quantile, cfg.clip_retention))
         self._clip = clipped.clip
+        if cfg.clip_per_sample != "auto":
+            outcome = self._perturber.perturb(clipped, clipped.gradient, self._clip, generator, move_scale=move_scale)
+            return clipped, outcome, {}
         memory = self._perturber.memory()
-        # at the raised level auto sends the Gaussian only within the stricter limit, else its aimed noise
+        # at the level "auto" raised, auto sends the Gaussian only within the stricter limit, else its aimed noise
         outcome = self._perturber.perturb(clipped, clipped.gradient, self._clip, generator, move_scale=move_scale,
                                           max_move=CLIP_MAX_MOVE if setting == "retention" else AUTO_MAX_MOVE)
-        if cfg.clip_per_sample != "auto":
-            return clipped, outcome, {}
         details = {"clip_rule": setting}
         if move_scale is not None and outcome.met:
             move = move_scale * float(outcome.noise.norm())
@@ -125,7 +126,7 @@ class Guard:
                                            f"{CLIP_MAX_MOVE:.0%} root mean square over the recent steps")
                 self._perturber.restore(memory)  # the retention attempt is not a step auto learns from
                 self._adaptive_clip.fall_back()
-                clipped = _clipped(op, flat, median)
+                clipped = ClippedJacobian(op, median)  # ``flat`` was checked against this operator above
                 self._clip, details["clip_rule"] = clipped.clip, "median"
                 outcome = self._perturber.perturb(clipped, clipped.gradient, self._clip, generator,
                                                   move_scale=move_scale)

@@ -26,7 +26,7 @@ import torch
 from bench_guard_models import trained_batches
 from flguard.defenses.base import DefenseContext
 from flguard.defenses.eigen import eigen_direction
-from flguard.defenses.resolvent import krylov_resolvent
+from flguard.defenses.resolvent import carried, krylov_resolvent
 from flguard.defenses.rowspace import rowspace
 from flguard.guard.config import GuardConfig
 from flguard.guard.exclusion import negligible_samples
@@ -109,7 +109,7 @@ def _resolvent(op, run, eps: torch.Tensor, filter_steps: int, solved: bool = Fal
     filtered, own = krylov_resolvent(run, eps, filter_steps)
     if solved:
         own = RegularisedK(op, eps).solve(RegularisedK(op).matvec(filtered), rtol=1e-2).solution.norm(dim=1)
-    return op.jt_sum(filtered / own.unsqueeze(1))
+    return carried(op, filtered, own)
 
 
 if __name__ == "__main__":

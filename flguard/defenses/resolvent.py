@@ -49,15 +49,23 @@ def resolvent(ctx: DefenseContext) -> Direction:
     if run is None or run.basis.shape[1] < min(steps, op.dx):
         run = RegularisedK(op).lanczos(rtol=0.0, min_iter=steps, max_iter=steps, start=resolvent_start(ctx.generator, op))
     filtered, own = krylov_resolvent(run, ctx.eps, FILTER_STEPS)
+    vector = carried(op, filtered, own)
+    return Direction(vector, {"kind": "resolvent", "own_i2f": own, "lanczos_steps": float(run.basis.shape[1])})
+
+
+def carried(op: Jacobian, filtered: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """δ = Σ_i J_iᵀv_i/ι_i: each sample's filtered noise v_i (``filtered`` [B, dx]) scaled to unit own I²F ι_i
+    (``own`` [B]) and carried to the update by one summed Jᵀ product. A sample with no usable part (ι_i zero or
+    non-finite) gets no noise of its own; the verification on the noise sent decides about it. Raises where no
+    sample has one, or the product is zero or non-finite."""
     usable = torch.isfinite(own) & (own > 0) & torch.isfinite(filtered).all(dim=1)
     if not bool(usable.any()):
         raise RuntimeError("resolvent noise: no sample's Jacobian moves its recovery (every K_i zero or non-finite)")
-    # a sample with no usable part gets no noise of its own; the verification on the noise sent decides about it
     weights = torch.where(usable, 1.0 / torch.where(usable, own, torch.ones_like(own)), torch.zeros_like(own))
     vector = op.jt_sum(torch.where(usable.unsqueeze(1), filtered, torch.zeros_like(filtered)) * weights.unsqueeze(1))
     if not bool(torch.isfinite(vector).all()) or not bool(vector.any()):
         raise RuntimeError("resolvent noise: the samples' Jacobians map the filtered noise to zero or non-finite values")
-    return Direction(vector, {"kind": "resolvent", "own_i2f": own, "lanczos_steps": float(run.basis.shape[1])})
+    return vector
 
 
 def resolvent_start(generator: torch.Generator, op: Jacobian) -> torch.Tensor:

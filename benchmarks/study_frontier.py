@@ -12,6 +12,8 @@ and the fishing attacker alone (``fishing_attack_psnr_best``).
     python benchmarks/study_frontier.py --out frontier-out            # the table of a finished run
     python benchmarks/study_frontier.py --run --seed 1 --out frontier-seed1 --tag _seed1 --only none localdp-e700 \
         localdp-e2100 localdp-e7000 eigen-15dB eigen-15dB-unclipped clip-only    # the study repeated, a subset
+    python benchmarks/study_frontier.py --run --config simulations/frontier_warm.toml --seed 1 --out frontier-warm-s1 \
+        --tag _warm_s1                                                  # from a one-epoch warm start (8 rounds)
 """
 
 from __future__ import annotations

@@ -41,6 +41,22 @@ def test_shipped_configs_are_valid() -> None:
     assert (lfw.model, lfw.dataset) == ("cnn", "lfw-faces")
 
 
+def test_every_shipped_comparison_loads_and_the_warm_frontier_differs_only_in_its_start() -> None:
+    """Every comparison in simulations/ validates; frontier_warm.toml is frontier.toml's task with a one-epoch warm
+    start, 8 rounds at lr 0.05, and a subset of its defenses defined exactly as there (P5's two studies compare)."""
+    comparisons = {path.name: load_config(path) for path in sorted(SIMULATIONS.glob("*.toml"))
+                   if path.name not in ("pyproject.toml", "flwr-config.toml")}
+    assert {"default.toml", "frontier.toml", "frontier_warm.toml", "lfw.toml", "resnet.toml"} <= set(comparisons)
+    cold, warm = comparisons["frontier.toml"], comparisons["frontier_warm.toml"]
+    changed = {k: v for k, v in warm.task.model_dump().items() if cold.task.model_dump()[k] != v}
+    assert changed == {"pretrain_epochs": 1, "rounds": 8, "lr": 0.05}
+    assert warm.attack == cold.attack
+    rows = {d.name: d for d in cold.defenses}
+    assert [d.name for d in warm.defenses] == ["none", "localdp-e700", "localdp-e2100", "localdp-e7000", "eigen-15dB",
+                                               "auto-15dB", "auto-20dB"]
+    assert all(d == rows[d.name] for d in warm.defenses)
+
+
 @pytest.mark.parametrize("old, new, message", [
     ("rounds = 2", "rounds = 0", "CompareConfig.task.rounds"),
     ("rounds = 2", "roundz = 2", "CompareConfig.task.roundz.*unknown field"),

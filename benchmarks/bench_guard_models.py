@@ -115,12 +115,12 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
     the operator's path, "auto" (its own choice) or forced "cached" / "direct" (``CACHED_UP_TO`` set here);
     ``compile_mode``: the K products through ``torch.compile`` in this mode (``COMPILE_PRODUCTS``)."""
     from flguard import GuardConfig, GuardFailure, make_guarded
-    from flguard.risk import operator, regularised
+    from flguard.risk import regularised, sizing
 
     if products != "auto":
-        operator.CACHED_UP_TO = 2 ** 62 if products == "cached" else 0
+        sizing.CACHED_UP_TO = 2 ** 62 if products == "cached" else 0
         if products == "direct":  # a CUDA device's memory would otherwise keep the cached pullbacks
-            operator.CUDA_CACHED_SHARE = 0.0
+            sizing.CUDA_CACHED_SHARE = 0.0
     if compile_mode is not None:
         regularised.COMPILE_PRODUCTS = True
         regularised.COMPILE_MODE = None if compile_mode == "default" else compile_mode

@@ -55,13 +55,13 @@ def _measure(name: str, batch: int, products: str, device: str, repeats: int, cl
     """One (model, batch, path) in this (child) process; ``clip``: the guard's operator, per-sample
     clipped at the median norm (``ClippedJacobian``, which keeps the per-sample gradients)."""
     from flguard.models import create
-    from flguard.risk import operator
+    from flguard.risk import sizing
     from flguard.risk.clipped import ClippedJacobian
     from flguard.risk.operator import JacobianOperator
 
     path = "direct" if products == "direct-cpu-chunks" else products
     if products == "direct-cpu-chunks":  # the direct path in the CPU's chunks on any device (a GPU's baseline)
-        operator.CUDA_CHUNK_SHARE = 0.0
+        sizing.CUDA_CHUNK_SHARE = 0.0
     torch.manual_seed(0)
     channels, size = SHAPES[name]
     model = create(name, in_channels=channels, num_classes=10, image_size=size).to(device)

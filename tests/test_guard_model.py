@@ -109,14 +109,14 @@ def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f(def
     agree with the dense ones — with the cached products and with the direct ones that large models
     take (two samples per chunk here, on a CUDA device too), on the CPU and on a CUDA device (the
     reference always on the CPU)."""
-    from flguard.risk import operator
+    from flguard.risk import sizing
     torch.manual_seed(0)
     model = create("resnet8_gn", image_size=6).double()
     if products == "direct":
         dtheta = sum(p.numel() for p in model.parameters())
-        monkeypatch.setattr(operator, "CACHED_UP_TO", 2 * dtheta)
-        monkeypatch.setattr(operator, "CUDA_CHUNK_SHARE", 0.0)  # a CUDA device's chunks as small as the CPU's
-        monkeypatch.setattr(operator, "CUDA_CACHED_SHARE", 0.0)  # and no cached pullbacks there either
+        monkeypatch.setattr(sizing, "CACHED_UP_TO", 2 * dtheta)
+        monkeypatch.setattr(sizing, "CUDA_CHUNK_SHARE", 0.0)  # a CUDA device's chunks as small as the CPU's
+        monkeypatch.setattr(sizing, "CUDA_CACHED_SHARE", 0.0)  # and no cached pullbacks there either
     x = torch.rand(4, 3, 6, 6, dtype=torch.float64)
     x = ((x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)).to(
         memory_format=torch.channels_last)

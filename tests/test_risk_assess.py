@@ -190,14 +190,14 @@ def test_direct_chunks_take_a_share_of_a_cuda_devices_free_memory(monkeypatch):
     """On the CPU a chunk holds ⌊min(CACHED_UP_TO, DIRECT_CHUNK_FLOATS)/dθ⌋ samples (a ResNet-18's 11.2 M
     parameters: 1); on a CUDA device as many as CUDA_CHUNK_SHARE of its free memory holds at
     DIRECT_FLOATS_PER_PARAMETER floats per sample and parameter, never more than the batch."""
-    from flguard.risk import operator
-    from flguard.risk.operator import direct_sample_chunk
+    from flguard.risk import sizing
+    from flguard.risk.sizing import direct_sample_chunk
     resnet18 = 11_173_962
     assert direct_sample_chunk(resnet18, 32, torch.device("cpu")) == 1
     assert direct_sample_chunk(272_474, 32, torch.device("cpu")) == 32  # ⌊2^24 / dθ⌋ = 61, capped at B
     assert direct_sample_chunk(272_474, 100, torch.device("cpu")) == 61
     free = 16 * 2 ** 30  # a 16 GiB card: 2 GiB for a chunk, 32 bytes per sample and parameter
-    monkeypatch.setattr(operator.torch.cuda, "mem_get_info", lambda device: (free, 2 * free))
+    monkeypatch.setattr(sizing.torch.cuda, "mem_get_info", lambda device: (free, 2 * free))
     assert direct_sample_chunk(resnet18, 64, torch.device("cuda")) == 2 ** 31 // (32 * resnet18) == 6
     assert direct_sample_chunk(resnet18, 4, torch.device("cuda")) == 4
     assert direct_sample_chunk(resnet18, 64, torch.device("cuda"), element_size=8) == 3
@@ -210,17 +210,17 @@ def test_auto_keeps_the_cached_pullbacks_where_a_cuda_devices_memory_holds_them(
     B·dθ·CACHED_FLOATS_PER_PARAMETER floats fit in CUDA_CACHED_SHARE (a quarter) of its free memory: a
     ResNet-18 at B = 32 (11.4 GB) is cached on an 80 GB card, direct on a 16 GB one, where B = 8 (2.9 GB)
     is cached in float32 and direct in float64 (5.7 GB against 4 GB)."""
-    from flguard.risk import operator
-    from flguard.risk.operator import takes_cached
+    from flguard.risk import sizing
+    from flguard.risk.sizing import takes_cached
     resnet18, cpu, cuda = 11_173_962, torch.device("cpu"), torch.device("cuda")
     assert takes_cached(272_474, 32, cpu) and not takes_cached(resnet18, 8, cpu)
     for gib, b32, b8 in ((80, True, True), (16, False, True)):
-        monkeypatch.setattr(operator.torch.cuda, "mem_get_info", lambda device, free=gib * 2 ** 30: (free, free))
+        monkeypatch.setattr(sizing.torch.cuda, "mem_get_info", lambda device, free=gib * 2 ** 30: (free, free))
         assert takes_cached(resnet18, 32, cuda) is b32 and takes_cached(resnet18, 8, cuda) is b8
     assert not takes_cached(resnet18, 8, cuda, element_size=8)  # float64 on the 16 GB card: twice the bytes
     assert takes_cached(272_474, 32, cuda)  # under CACHED_UP_TO whatever the memory
-    monkeypatch.setattr(operator, "CUDA_CACHED_SHARE", 0.0)
-    monkeypatch.setattr(operator.torch.cuda, "mem_get_info", lambda device: (80 * 2 ** 30, 80 * 2 ** 30))
+    monkeypatch.setattr(sizing, "CUDA_CACHED_SHARE", 0.0)
+    monkeypatch.setattr(sizing.torch.cuda, "mem_get_info", lambda device: (80 * 2 ** 30, 80 * 2 ** 30))
     assert not takes_cached(resnet18, 8, cuda)
 
 
@@ -267,12 +267,12 @@ def test_cached_products_fall_back_on_the_direct_path_when_the_device_runs_out_o
 def test_auto_products_go_direct_above_the_size_limit(monkeypatch):
     """"auto" keeps the cached pullbacks while B·dθ ≤ CACHED_UP_TO floats, then goes direct in chunks
     of ⌊min(CACHED_UP_TO, DIRECT_CHUNK_FLOATS)/dθ⌋ samples; both give the dense Jacobian's products."""
-    from flguard.risk import operator
+    from flguard.risk import sizing
     model, x, y = _problem("conv", 3)
     jac, _ = dense_jacobians(model, x, y)
     dtheta = sum(p.numel() for p in model.parameters())
     assert not JacobianOperator(model, x, y).direct
-    monkeypatch.setattr(operator, "CACHED_UP_TO", 2 * dtheta)
+    monkeypatch.setattr(sizing, "CACHED_UP_TO", 2 * dtheta)
     op = JacobianOperator(model, x, y)
     assert op.direct and op.sample_chunk == 2
     u = torch.randn(3, 1, op.dx, dtype=x.dtype)

@@ -36,11 +36,11 @@ def test_jt_sum_is_the_sum_of_the_dense_transposed_blocks(products, monkeypatch)
     """Σ_i J_iᵀu_i from reverse-over-reverse passes equals the dense blocks' Σ_i J_i[dx, dθ]ᵀu_i on a
     channels-last GroupNorm ResNet, and the per-sample ``jt`` rows summed; one application charged. On
     the direct path the passes run two samples at a time (as a ResNet-18's run one)."""
-    from flguard.risk import operator
+    from flguard.risk import sizing
 
     model, x, y = _resnet_batch()
     if products == "direct":
-        monkeypatch.setattr(operator, "DIRECT_CHUNK_FLOATS", 2 * sum(p.numel() for p in model.parameters()))
+        monkeypatch.setattr(sizing, "DIRECT_CHUNK_FLOATS", 2 * sum(p.numel() for p in model.parameters()))
     op = JacobianOperator(model, x, y, products=products)
     if products == "direct":
         assert op.direct and op.sample_chunk == 2

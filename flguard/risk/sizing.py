@@ -1,0 +1,65 @@
+"""How the operator's per-sample products use memory: the cached pullbacks or direct products, and the
+direct path's chunks of samples (``flguard.risk.operator.JacobianOperator``'s ``products`` setting).
+
+The thresholds are module attributes read at each operator's creation, so a benchmark or a test can set
+them here (``CACHED_UP_TO``, the CUDA shares) to force one path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: The per-sample path's two ways to apply J_i and J_iᵀ. *Cached*: the pullbacks of the batch's
+#: per-sample gradient and input-gradient maps are built at the first product and reused (fastest
+#: where they fit: 1.3–2× the direct products on the quickstart CNN and a ResNet-20, benchmarks/
+#: bench_operator_products.py), but they hold several [B, dθ] tensors and the double-backward graph
+#: of the whole batch (3 GB on a ResNet-18 at B = 8, 10 GB at B = 32). *Direct*: each product is one
+#: forward-over-reverse (Jᵀu) or reverse-of-forward (Jv) pass per sample, ``vmap``-ed over chunks of
+#: samples, nothing kept between products. ``products="auto"`` takes the cached path while B·dθ is at
+#: most this many floats (256 MB in float32) or, on a CUDA device, while it fits the device's memory
+#: (``takes_cached``), else the direct one in chunks of samples, so memory stops growing with the batch.
+CACHED_UP_TO = 2 ** 26
+#: On a CUDA device "auto" also keeps the cached pullbacks while they fit in this share of the device's
+#: free memory at the operator's creation, at ``CACHED_FLOATS_PER_PARAMETER`` floats per sample and
+#: parameter (measured: 9.6 GB of an H100 at B = 32 on a ResNet-18-GN, 6.3 floats per sample and
+#: parameter above training's 0.6 GB). There they made the guard's step 3.3× faster than the direct
+#: path's (8.4 s against 27.7 s, benchmarks/gpu_run.sh, docs/results.md "The guard on a GPU"); a
+#: GPU's memory, not its time, is what the direct path saves. A quarter leaves the user's training its
+#: room: a ResNet-18 at B = 32 (11.4 GB by this count) is cached on an 80 GB card, direct on a 24 GB one.
+CUDA_CACHED_SHARE = 0.25
+CACHED_FLOATS_PER_PARAMETER = 8
+#: Direct path: samples per vmapped call, ⌊min(CACHED_UP_TO, DIRECT_CHUNK_FLOATS)/dθ⌋ (a ResNet-18: 1,
+#: a ResNet-20: 61). A chunk holds its samples' double-backward graphs, ~0.2 GB each on a ResNet-18 at
+#: 32×32: the clipped K product at B = 32 peaked at 3.6 GB in chunks of 6 and 2.5 GB in chunks of 1,
+#: in the same time on one CPU thread (benchmarks/bench_operator_products.py --clip).
+DIRECT_CHUNK_FLOATS = 2 ** 24
+#: On a CUDA device the direct path's chunks are sized by the device's free memory instead: a GPU wants
+#: few, large kernels (a chunk of one sample is one launch-bound pass per sample), and its memory is the
+#: limit. A chunk may take this share of the free memory at the operator's creation, counting
+#: ``DIRECT_FLOATS_PER_PARAMETER`` floats per sample and parameter (its J_iᵀu and its double-backward
+#: graph: ~0.2 GB per sample on a ResNet-18 at 32×32, 4.5 floats per parameter).
+CUDA_CHUNK_SHARE = 0.125
+DIRECT_FLOATS_PER_PARAMETER = 8
+
+
+def direct_sample_chunk(dtheta: int, batch: int, device: torch.device, element_size: int = 4) -> int:
+    """Samples per vmapped call on the direct path (at least 1, at most the batch): on the CPU
+    ⌊min(CACHED_UP_TO, DIRECT_CHUNK_FLOATS)/dθ⌋; on a CUDA device as many as ``CUDA_CHUNK_SHARE`` of its
+    free memory holds at ``DIRECT_FLOATS_PER_PARAMETER`` floats per sample and parameter."""
+    floats = min(CACHED_UP_TO, DIRECT_CHUNK_FLOATS)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        floats = max(floats, int(CUDA_CHUNK_SHARE * free / (element_size * DIRECT_FLOATS_PER_PARAMETER)))
+    return max(1, min(batch, floats // dtheta))
+
+
+def takes_cached(dtheta: int, batch: int, device: torch.device, element_size: int = 4) -> bool:
+    """Whether ``products="auto"`` keeps the cached pullbacks: B·dθ ≤ ``CACHED_UP_TO`` floats, or on a CUDA
+    device while they fit in ``CUDA_CACHED_SHARE`` of its free memory (``CACHED_FLOATS_PER_PARAMETER``
+    floats per sample and parameter)."""
+    if batch * dtheta <= CACHED_UP_TO:
+        return True
+    if device.type != "cuda":
+        return False
+    free, _ = torch.cuda.mem_get_info(device)
+    return batch * dtheta * element_size * CACHED_FLOATS_PER_PARAMETER <= CUDA_CACHED_SHARE * free

@@ -94,6 +94,8 @@ def retained_clip_level(gradients: torch.Tensor, lowest: float, retention: float
 #: (lr 0.01) the retention level's aimed noise moved the weights 0.2–1.0% a step (root mean square 0.5%); on the
 #: CNN trained from scratch (lr 0.1) 8.4% after 150 unguarded steps and 24% after 400 (4.5% and 7.5% in a rerun), where
 #: a federated run with "retention" collapsed to 10.6%; with the limit at 10% (the Gaussian's) one still collapsed, at 11.0%.
+#: Halved to 2.5%, six from-scratch runs averaged 59.2% against 5%'s 60.1% over nine: not better, so 5% stays
+#: (docs/results.md, "A stricter move limit for the clip level, from scratch").
 CLIP_MAX_MOVE = AUTO_MAX_MOVE / 2
 CLIP_MOVE_STEPS = 8
 CLIP_MEDIAN_STEPS = 8

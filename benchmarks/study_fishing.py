@@ -49,22 +49,41 @@ from flguard.attacks import metrics
 from flguard.server.fishing import attack_fished, count_targets, fish_class
 
 
-def private_batch(settings, data, public, batch: int, rng: np.random.Generator):
-    """B private samples whose labels include a class with exactly one sample; (index, that class)."""
+def private_batch(settings, data, public, batch: int, rng: np.random.Generator, targets: int = 1):
+    """B private samples whose labels include a class with exactly ``targets`` samples; (index, that class)."""
     private = np.setdiff1d(np.arange(len(data)), public)
     while True:
         index = rng.choice(private, size=batch, replace=False)
         labels = data.labels[torch.as_tensor(index)]
         counts = torch.bincount(labels, minlength=data.num_classes)
-        single = (counts == 1).nonzero()[:, 0]
+        single = (counts == targets).nonzero()[:, 0]
         if len(single):
             return torch.as_tensor(index), int(single[int(rng.integers(len(single)))])
 
 
-def target_psnr(data, images: torch.Tensor, truth: torch.Tensor) -> float:
-    """Pixel PSNR of the reconstruction of the lone target (box-clamped, as the server scores)."""
+def target_psnrs(data, images: torch.Tensor, truth: torch.Tensor) -> list[float]:
+    """Pixel PSNR of each target's reconstruction (box-clamped, as the server scores; several targets
+    Hungarian-matched to the reconstructions)."""
     rec = data.denormalize(images.detach().cpu()).clamp(0, 1)
-    return float(metrics.psnr(rec[:1], data.denormalize(truth.cpu()).clamp(0, 1)))
+    originals = data.denormalize(truth.cpu()).clamp(0, 1)
+    if len(originals) == 1:
+        return [float(metrics.psnr(rec[:1], originals))]
+    return [float(v) for v in metrics.score(rec[:len(originals)], originals, with_lpips=False)["psnr"]]
+
+
+def scored(row: dict, psnrs: list[float]) -> dict:
+    """The row with the best-reconstructed target's PSNR (``psnr``) and every target's (``psnr_targets``)."""
+    return {**row, "psnr": max(psnrs), "psnr_targets": " ".join(f"{v:.2f}" for v in psnrs), "_psnrs": psnrs}
+
+
+def targets_kept(row: dict, floor_psnr: float) -> int:
+    """How many of the row's targets are kept: left out of the upload by the guard, or reconstructed at a pixel
+    PSNR ≤ the floor (each target Hungarian-matched); none where the upload was withheld (nothing was sent)."""
+    if not row["sent"]:
+        return 0
+    left = row.get("_left") or [False] * row["targets"]
+    psnrs = row.get("_psnrs") or [float("inf")] * row["targets"]
+    return sum(out or value <= floor_psnr for out, value in zip(left, psnrs))
 
 
 def localdp_gradient(gradient: torch.Tensor, lr: float, dp, generator: torch.Generator) -> torch.Tensor:
@@ -104,19 +123,19 @@ def run(args) -> list[dict]:
     rows = []
     for batch in args.batches:
         for upload in range(args.uploads):
-            index, target = private_batch(settings, data, public, batch, rng)
+            index, target = private_batch(settings, data, public, batch, rng, args.targets)
             x, y = data.normalize(data.images[index]).to(args.device), data.labels[index].to(args.device)
             truth = x[y == target]
             fished = fish_class(model, target)
             gradient = flat_gradient(fished, x, y)
-            base = dict(B=batch, upload=upload, target_class=target, counted=count_targets(gradient, fished, target,
+            base = dict(B=batch, upload=upload, target_class=target, targets=args.targets, counted=count_targets(gradient, fished, target,
                                                                                            batch_size=batch))
             seed = args.seed * 1000 + batch * 10 + upload
             started = time.perf_counter()
             rec = attack_fished(fished, gradient, target, data.shape, batch_size=batch, seed=seed, **attack)
-            rows.append({**base, "defense": "none", "sent": True, "left_out": False, "noise_c": 0.0,
-                         "guard_s": 0.0, "psnr": target_psnr(data, rec.images, truth),
-                         "attack_s": time.perf_counter() - started})
+            rows.append(scored({**base, "defense": "none", "sent": True, "left_out": False, "noise_c": 0.0,
+                                "guard_s": 0.0, "attack_s": time.perf_counter() - started},
+                               target_psnrs(data, rec.images, truth)))
             print(rows[-1], flush=True)
 
             guard = Guard(GuardConfig(pixel_mean=data.mean, pixel_std=data.std, seed=seed,
@@ -129,22 +148,25 @@ def run(args) -> list[dict]:
             row = {**base, "defense": "guard", "sent": out.gradient is not None, "guard_s": guard_s,
                    "used": report.details.get("defense_used", report.defense),
                    "noise_c": report.noise_norm / report.details["clip"] if report.details.get("clip") else None}
-            position = int((y == target).nonzero()[0, 0])
-            row["left_out"] = bool(out.gradient is not None and not torch.isfinite(report.rmse_after[position]))
+            positions = (y == target).nonzero()[:, 0]
+            row["left_out"] = bool(out.gradient is not None and not bool(torch.isfinite(report.rmse_after[positions]).any()))
+            row["_left"] = ([not bool(v) for v in torch.isfinite(report.rmse_after[positions])]
+                            if out.gradient is not None else [False] * len(positions))
+            row["left_out_targets"] = sum(row["_left"])
             if out.gradient is not None and not row["left_out"]:
                 started = time.perf_counter()
-                rec = attack_fished(fished, out.gradient, target, data.shape, batch_size=batch, count=1, seed=seed,
-                                    **strongest)
-                row.update(psnr=target_psnr(data, rec.images, truth), attack_s=time.perf_counter() - started)
+                rec = attack_fished(fished, out.gradient, target, data.shape, batch_size=batch, count=len(truth),
+                                    seed=seed, **strongest)
+                row = scored({**row, "attack_s": time.perf_counter() - started}, target_psnrs(data, rec.images, truth))
                 if args.adaptive:  # the eigen-aware attacker, from the strongest attack's reconstruction
                     size = 2 * guard.config.subspace_size if hasattr(guard.config, "subspace_size") else 64
                     started = time.perf_counter()
-                    rec = attack_fished(fished, out.gradient, target, data.shape, batch_size=batch, count=1,
+                    rec = attack_fished(fished, out.gradient, target, data.shape, batch_size=batch, count=len(truth),
                                         seed=seed, method="adaptive", base="gs", subspace=size, krylov_steps=2 * size,
                                         base_hyperparameters={"strongest": True}, first_images=rec.images,
                                         iterations=args.defended_iterations, restarts=args.defended_restarts,
                                         device=args.device, mean=tuple(data.mean), std=tuple(data.std))
-                    row.update(psnr_strongest=row["psnr"], psnr_adaptive=target_psnr(data, rec.images, truth),
+                    row.update(psnr_strongest=row["psnr"], psnr_adaptive=max(target_psnrs(data, rec.images, truth)),
                                adaptive_s=time.perf_counter() - started)
                     row["psnr"] = max(row["psnr_strongest"], row["psnr_adaptive"])
             else:
@@ -155,16 +177,20 @@ def run(args) -> list[dict]:
             generator = torch.Generator().manual_seed(seed)
             noisy = localdp_gradient(gradient.cpu().double(), settings.lr, dp, generator).float().to(args.device)
             started = time.perf_counter()
-            rec = attack_fished(fished, noisy, target, data.shape, batch_size=batch, count=1, seed=seed, **strongest)
-            rows.append({**base, "defense": "localdp", "sent": True, "left_out": False, "guard_s": 0.0,
-                         "noise_c": None, "psnr": target_psnr(data, rec.images, truth),
-                         "attack_s": time.perf_counter() - started})
+            rec = attack_fished(fished, noisy, target, data.shape, batch_size=batch, count=len(truth), seed=seed,
+                                **strongest)
+            rows.append(scored({**base, "defense": "localdp", "sent": True, "left_out": False, "guard_s": 0.0,
+                                "noise_c": None, "attack_s": time.perf_counter() - started},
+                               target_psnrs(data, rec.images, truth)))
             print(rows[-1], flush=True)
-    columns = ("B", "upload", "target_class", "counted", "defense", "used", "sent", "left_out", "noise_c", "guard_s",
-               "psnr", "psnr_strongest", "psnr_adaptive", "attack_s", "adaptive_s", "reason")
+    columns = ("B", "upload", "target_class", "targets", "counted", "defense", "used", "sent", "left_out",
+               "left_out_targets", "noise_c", "guard_s", "psnr", "psnr_targets", "psnr_strongest", "psnr_adaptive",
+               "attack_s", "adaptive_s", "reason")
+    counts = [targets_kept(row, floor_psnr) for row in rows]
     rows = [{key: row.get(key) for key in columns} for row in rows]
-    for row in rows:
+    for row, kept in zip(rows, counts):
         row["kept"] = bool(row["left_out"] or (row["sent"] and row["psnr"] is not None and row["psnr"] <= floor_psnr))
+        row["targets_kept"] = kept
     return rows
 
 
@@ -179,10 +205,12 @@ def summarise(rows: list[dict], floor_psnr: float = 15.0) -> list[dict]:
             scored = [r["psnr"] for r in sent if r["psnr"] is not None]
             table.append({
                 "B": batch, "defense": defense, "uploads": len(group), "sent": len(sent),
-                "targets_counted_right": sum(r["counted"] == 1 for r in group),
+                "targets_counted_right": sum(r["counted"] == r.get("targets", 1) for r in group),
                 "psnr_median": statistics.median(scored) if scored else None,
                 "psnr_max": max(scored) if scored else None,
                 "kept_share": sum(r["kept"] for r in sent) / len(sent) if sent else None,
+                "targets_kept_share": (sum(r.get("targets_kept", r["kept"]) for r in sent)
+                                       / sum(r.get("targets", 1) for r in sent)) if sent else None,
                 "worst_margin_db": floor_psnr - max(scored) if scored else None,
                 "psnr_adaptive_max": max((r["psnr_adaptive"] for r in sent if r.get("psnr_adaptive") is not None),
                                          default=None),
@@ -198,6 +226,8 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "simulations" / "default.toml"))
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--uploads", type=int, default=3, help="fished uploads per batch size")
+    parser.add_argument("--targets", type=int, default=1, help="samples of the fished class in each batch (the "
+                        "attack reconstructs them all; each is scored against its Hungarian-matched reconstruction)")
     parser.add_argument("--iterations", type=int, default=1000, help="the strongest attack's GS iterations")
     parser.add_argument("--restarts", type=int, default=2)
     parser.add_argument("--defended-iterations", type=int, default=3000,

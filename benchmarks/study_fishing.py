@@ -23,6 +23,7 @@ worst margin (floor − PSNR), the guard's sent share, noise in units of C and s
     python benchmarks/study_fishing.py --batches 8 16 32 --uploads 6       # CPU, one thread, ~40 min
     python benchmarks/study_fishing.py --batches 8 16 32 --uploads 6 --defended-restarts 4 --device cuda
     python benchmarks/study_fishing.py --batches 8 16 32 --uploads 4 --defended-restarts 4 --adaptive   # the budget
+    python benchmarks/study_fishing.py --batches 16 --uploads 3 --targets 3   # three samples of the fished class per batch
 
 ``--adaptive`` also runs the adaptive attacker (``flguard.attacks.adaptive``: it knows the eigen
 defense, estimates each target's weak subspace at its first reconstruction and attacks again blind

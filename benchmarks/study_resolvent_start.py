@@ -18,23 +18,10 @@ import torch
 from bench_guard_models import trained_batches
 
 
-def own_part_solution(run, eps: torch.Tensor, own: torch.Tensor, filter_steps: int) -> torch.Tensor:
-    """x₀ [B, dx]: the Galerkin solution of (K_i+ε_iI)w = K_iv_i on the run's basis, divided by ι_i."""
-    basis, coordinates = run.basis, run.coordinates
-    k = min(filter_steps, basis.shape[1])
-    theta = run.ritz_values.clamp_min(0.0)
-    leading = coordinates[:, :k, :]
-    values, vectors = torch.linalg.eigh(torch.einsum("bij,bj,bkj->bik", leading, theta, leading))
-    e1 = torch.zeros(basis.shape[0], k, dtype=basis.dtype)
-    e1[:, 0] = 1.0
-    y = torch.einsum("bij,bj,bkj,bk->bi", vectors, 1.0 / (values.clamp_min(0.0) + eps.unsqueeze(1)), vectors, e1)
-    ritz_coordinates = theta / (theta + eps.unsqueeze(1)) * torch.einsum("bkj,bk->bj", leading, y)
-    return torch.einsum("bmn,bmj,bj->bn", basis, coordinates, ritz_coordinates) / own.unsqueeze(1)
-
-
 def main() -> None:
     from flguard import GuardConfig
-    from flguard.defenses.resolvent import FILTER_STEPS, NORM_STEPS, carried, krylov_resolvent, resolvent_start
+    from flguard.defenses.resolvent import (FILTER_STEPS, NORM_STEPS, carried, krylov_resolvent, own_solution,
+                                            resolvent_start)
     from flguard.guard.clipping import clip_level
     from flguard.risk.assess import jacobian_product
     from flguard.risk.clipped import ClippedJacobian
@@ -53,12 +40,12 @@ def main() -> None:
         eps = cfg.eps * run.lambda_max
         filtered, own = krylov_resolvent(run, eps, FILTER_STEPS)
         b = jacobian_product(op, carried(op, filtered, own))
-        start = own_part_solution(run, eps, own, FILTER_STEPS)
-        system = RegularisedK(op, eps)
-        own_rhs = system._kernel(filtered) / own.unsqueeze(1)
+        start = own_solution(run, eps, FILTER_STEPS) / own.unsqueeze(1)
+        system, kernel = RegularisedK(op, eps), RegularisedK(op)  # K_i + ε_iI and K_i
+        own_rhs = kernel.matvec(filtered) / own.unsqueeze(1)
         left = (b - system.matvec(start)).norm(dim=1) / b.norm(dim=1)
         preconditioner = spectral_preconditioner(run.ritz_values.to(b), run.ritz_vectors.to(b), eps)
-        iterations = [preconditioned_cg(system._kernel, b, eps, preconditioner, rtol=cfg.rtol, max_iter=100,
+        iterations = [preconditioned_cg(kernel.matvec, b, eps, preconditioner, rtol=cfg.rtol, max_iter=100,
                                         initial=initial).iterations for initial in (None, start)]
         print(f"batch {seed}: own part ‖K_iv_i‖/ι_i ÷ ‖b_i‖ median {float((own_rhs.norm(dim=1) / b.norm(dim=1)).median()):.3f}, "
               f"solved by x₀ to {float(((own_rhs - system.matvec(start)).norm(dim=1) / own_rhs.norm(dim=1)).median()):.1e}; "

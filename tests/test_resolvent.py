@@ -9,7 +9,7 @@ from torch import nn
 
 from flguard import Guard
 from flguard.defenses.base import DefenseContext
-from flguard.defenses.resolvent import FILTER_STEPS, NORM_STEPS, resolvent
+from flguard.defenses.resolvent import FILTER_STEPS, NORM_STEPS, krylov_resolvent, own_solution, resolvent
 from flguard.guard.config import GuardConfig
 from flguard.risk.clipped import ClippedJacobian
 from flguard.risk.operator import JacobianOperator
@@ -82,6 +82,27 @@ def test_the_direction_is_the_krylov_filtered_noise_scaled_to_unit_own_i2f(clipp
     assert got.info["lanczos_steps"] == steps
     torch.testing.assert_close(got.info["own_i2f"], torch.stack(own), rtol=1e-6, atol=0)
     torch.testing.assert_close(got.vector, expected, rtol=1e-6, atol=1e-9 * float(expected.abs().max()))
+
+
+def test_own_solution_is_the_galerkin_solve_of_each_samples_own_part():
+    """``own_solution``: w_i, the Galerkin solution of (K_i+ε_iI)w = K_iv_i on the run's whole Krylov space, written
+    out from the dense float64 blocks; its norm is ``krylov_resolvent``'s ι_i."""
+    model, x, y = _problem()
+    op = JacobianOperator(model, x, y)
+    jac, _ = dense_jacobians(model, x, y)
+    kernel = jac @ jac.transpose(1, 2)
+    eps = 1e-2 * torch.linalg.eigvalsh(kernel)[:, -1]
+    steps = FILTER_STEPS + NORM_STEPS + 2
+    run = RegularisedK(op).lanczos(rtol=0.0, min_iter=steps, max_iter=steps, seed=5)
+    got = own_solution(run, eps, FILTER_STEPS)
+    _, own = krylov_resolvent(run, eps, FILTER_STEPS)
+    for i in range(3):
+        start = run.basis[i, 0]
+        shifted = kernel[i] + eps[i] * torch.eye(op.dx, dtype=torch.float64)
+        v = _galerkin(shifted, start, _krylov_basis(kernel[i], start, FILTER_STEPS))
+        expected = _galerkin(shifted, kernel[i] @ v, _krylov_basis(kernel[i], start, steps))
+        torch.testing.assert_close(got[i], expected, rtol=1e-6, atol=1e-9 * float(expected.abs().max()))
+    torch.testing.assert_close(got.norm(dim=1), own, rtol=1e-10, atol=0)
 
 
 def test_the_guard_hands_its_lambda_max_run_over_and_the_direction_costs_one_transposed_product():

@@ -83,6 +83,20 @@ def krylov_resolvent(run: LanczosResult, eps: torch.Tensor,
     Lanczos relation), so the m − k further steps refine ι_i as that many CG steps from K_iv_i would (their Krylov
     space lies inside Q_i's); for k = m the part of K_iv_i beyond the run is dropped. A zero block (T_i = 0) gives
     ι_i = 0, and ε_i = 0 there non-finite values; the caller drops such a sample's part."""
+    filtered, galerkin = _filtered_and_galerkin(run, eps, filter_steps)
+    return filtered, galerkin.norm(dim=1)
+
+
+def own_solution(run: LanczosResult, eps: torch.Tensor, filter_steps: int | None = None) -> torch.Tensor:
+    """w_i [B, dx]: ``krylov_resolvent``'s Galerkin solution of (K_i+ε_iI)w = K_iv_i in input space (‖w_i‖ = ι_i) —
+    the solve of sample i's own part of resolvent noise that the run already holds."""
+    _, galerkin = _filtered_and_galerkin(run, eps, filter_steps)
+    return torch.einsum("bmn,bmj,bj->bn", run.basis, run.coordinates, galerkin)
+
+
+def _filtered_and_galerkin(run: LanczosResult, eps: torch.Tensor,
+                           filter_steps: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(v_i [B, dx], the Galerkin solution's coordinates in T_i's eigenbasis [B, m]) — ``krylov_resolvent``'s parts."""
     basis, m = run.basis, run.basis.shape[1]
     k = m if filter_steps is None else min(filter_steps, m)
     theta = run.ritz_values.clamp_min(0.0)  # K_i is PSD: a negative Ritz value is rounding
@@ -91,9 +105,8 @@ def krylov_resolvent(run: LanczosResult, eps: torch.Tensor,
     start[:, 0] = 1.0
     y = _shifted_solve(torch.einsum("bij,bj,bkj->bik", leading, theta, leading), eps, start)
     filtered = torch.einsum("bkn,bk->bn", basis[:, :k], y)
-    # (T_i+ε_iI)⁻¹T_i[:, :k]y = S_i(Θ_i+ε_iI)⁻¹Θ_iS_i[:k]ᵀy: its norm from T_i's own eigenpairs, S_i orthogonal
-    own = (theta / (theta + eps.unsqueeze(1)) * torch.einsum("bkj,bk->bj", leading, y)).norm(dim=1)
-    return filtered, own
+    # (T_i+ε_iI)⁻¹T_i[:, :k]y = S_i(Θ_i+ε_iI)⁻¹Θ_iS_i[:k]ᵀy, in S_i's coordinates: its norm is ι_i (S_i orthogonal)
+    return filtered, theta / (theta + eps.unsqueeze(1)) * torch.einsum("bkj,bk->bj", leading, y)
 
 
 def _shifted_solve(matrix: torch.Tensor, eps: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:

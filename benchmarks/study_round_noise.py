@@ -36,6 +36,7 @@ import argparse
 import copy
 import csv
 import math
+import os
 import time
 from pathlib import Path
 
@@ -96,7 +97,7 @@ class RoundCertificate:
     def direction(self, size: int, like: torch.Tensor) -> Direction:
         if self.z is None:  # one draw per client round, from OS entropy
             self.z = torch.randn(size, generator=torch.Generator().manual_seed(int.from_bytes(
-                __import__("os").urandom(8), "little") & (2**63 - 1)), dtype=like.dtype)
+                os.urandom(8), "little") & (2**63 - 1)), dtype=like.dtype)
         return Direction(self.z.to(like), {"kind": "isotropic"})
 
     def capture(self, ctx, solved, outcome) -> None:

@@ -15,8 +15,9 @@ normalisation (``seed=0``), per batch:
   estimate, so the most that any tighter rigorous error bound can save.
 
 The oracle is what any per-sample stop could spend with this certificate; the rtol stop is the practice
-before the early stop. A batch whose step sent aimed noise (``auto``'s fallback) has no one-run solve to replay
-and is listed without the oracles.
+before the early stop. The oracles replay plain CG on the step's own operator whatever kind sent the noise (the guard
+solves resolvent's and eigen's floor by PCG, so their guard columns are not the oracles' solver), with each sample's
+kind in the batch column.
 
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_stop_oracle.py --model cnn --batches 3
 """
@@ -43,10 +44,12 @@ REFERENCE_ITERATIONS = 300
 
 
 class RowCounter:
-    """Counts, per sample, the rows of every K product the guard's solvers ask for (whole-batch and shrunk)."""
+    """Counts the sample-rows of every K product the guard's solvers ask for (whole-batch and shrunk), summed over
+    samples: a solver on an operator restricted to some samples (the negligible ones left out unsolved) counts its
+    own rows, so there is no per-sample index to keep."""
 
-    def __init__(self, batch: int) -> None:
-        self.counts = torch.zeros(batch, dtype=torch.long)
+    def __init__(self) -> None:
+        self.rows = 0
         self._on_rows, self._shrinking = krylov._on_rows, regularised.ShrinkingProducts.__call__
 
     def __enter__(self) -> "RowCounter":
@@ -54,11 +57,11 @@ class RowCounter:
 
         def on_rows(matvec, rows_matvec, v, mask):
             if rows_matvec is None or bool(mask.all()):
-                counter.counts += mask.long().cpu()
+                counter.rows += int(mask.sum())
             return counter._on_rows(matvec, rows_matvec, v, mask)
 
         def shrinking(products, u, rows):
-            counter.counts.index_add_(0, rows.cpu(), torch.ones_like(rows.cpu()))
+            counter.rows += int(rows.numel())
             return counter._shrinking(products, u, rows)
 
         krylov._on_rows = on_rows
@@ -78,17 +81,18 @@ def _guarded(model, x, y, g, data, stop: bool):
     captured = {}
     meet = floor.FloorCalibrator.meet
 
-    def capture(self, ctx, solved=None, kind="gaussian"):
-        captured.update(ctx=ctx, solved=solved)
-        return meet(self, ctx, solved, kind)
+    def capture(self, ctx, solved=None, kind="gaussian"):  # the last call is the kind sent
+        outcome = meet(self, ctx, solved, kind)
+        captured.update(ctx=ctx, outcome=outcome, kind=kind)
+        return outcome
 
     floor.FloorCalibrator.meet = capture
     try:
-        with RowCounter(len(y)) as counter:
+        with RowCounter() as counter:
             report = Guard(GuardConfig(pixel_mean=data.mean, pixel_std=data.std, seed=0)).protect(model, x, y, g).report
     finally:
         floor.FloorCalibrator.meet = meet
-    return report, counter.counts, captured
+    return report, counter.rows, captured
 
 
 def dual_bound(r: torch.Tensor, kr: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
@@ -101,37 +105,53 @@ def dual_bound(r: torch.Tensor, kr: torch.Tensor, eps: torch.Tensor) -> torch.Te
     return torch.minimum((value / eps).sqrt(), r.norm(dim=1) / eps)
 
 
-def _oracle(report, captured, config, mode: str = "residual") -> torch.Tensor:
-    """Per sample, the fewest CG iterations whose verified bound certifies it at the sent scale (+1), -1 if none.
+def _cg_iterates(system: RegularisedK, b: torch.Tensor, iterations: int):
+    """CG's iterates x_1 … x_iterations on (K_i+ε_iI)x_i = b_i from zero, every sample at once (the recurrence of
+    ``flguard.risk.krylov.conjugate_gradient``, one product per iteration)."""
+    x, r = torch.zeros_like(b), b.clone()
+    p, rr = r.clone(), (r * r).sum(1)
+    tiny = torch.finfo(b.dtype).tiny
+    for _ in range(iterations):
+        ap = system.matvec(p)
+        step = rr / (p * ap).sum(1).clamp_min(tiny)
+        x = x + step.unsqueeze(1) * p
+        r = r - step.unsqueeze(1) * ap
+        rr_new = (r * r).sum(1)
+        p = r + (rr_new / rr.clamp_min(tiny)).unsqueeze(1) * p
+        rr = rr_new
+        yield x
+
+
+def _oracle(captured, config, mode: str = "residual") -> torch.Tensor:
+    """Per sample, the fewest CG iterations whose verified bound certifies it on the noise sent (+1), -1 if none.
     ``mode="exact"``: the bound is instead the true error ‖x_k − x*‖ (x* from a long solve, plus its own verified
     bound) — what a perfect a-posteriori error estimate would spend with this certificate; ``"dual"``: the verified
-    ``dual_bound`` from one more explicit product K·r (+2)."""
-    exact = mode == "exact"
-    ctx, (direction, (_, _, usable, _)) = captured["ctx"], captured["solved"]
-    op, scale = ctx.op, report.details["scale"]
+    ``dual_bound`` from one more explicit product K·r (+2). The step's own operator, ε and noise (scale 1: the
+    noise sent is the direction at its final scale), whatever kind sent it."""
+    ctx, outcome = captured["ctx"], captured["outcome"]
+    op = ctx.op
     base_operator(op).limit = None  # the oracle's solves are not the step's: no product or time limit
-    b = jacobian_product(op, direction.vector)
+    b = jacobian_product(op, outcome.noise)
     system = RegularisedK(op, ctx.eps)
     low, high = floor.input_bounds(config.bounds, op.x)
     target = config.floor * (1 + config.rtol)
-    kept = usable & torch.isfinite(report.rmse_after.to(usable.device))
+    kept = torch.isfinite(outcome.rmse_after).cpu()
     need = torch.full((op.batch_size,), -1, dtype=torch.long)
-    if exact:
+    if mode == "exact":
         reference = system.solve(b, rtol=1e-12, max_iter=REFERENCE_ITERATIONS).solution
         reference_bound = (b - system.matvec(reference)).norm(dim=1) / ctx.eps
-    for k in range(1, MAX_ORACLE_ITERATIONS + 1):
-        x = system.solve(b, rtol=1e-12, max_iter=k).solution
-        if exact:
+    for k, x in enumerate(_cg_iterates(system, b, MAX_ORACLE_ITERATIONS), start=1):
+        if mode == "exact":
             bound = (x - reference).norm(dim=1) + reference_bound
         else:
             r = b - system.matvec(x)
             bound = (dual_bound(r, system.matvec(r) - ctx.eps.unsqueeze(1) * r, ctx.eps) if mode == "dual"
                      else r.norm(dim=1) / ctx.eps)
-        ok = certifies(op.x, x, low, high, scale, bound, target).cpu()
+        ok = certifies(op.x, x, low, high, 1.0, bound, target).cpu()
         need = torch.where((need < 0) & ok, torch.full_like(need, k + (2 if mode == "dual" else 1)), need)
-        if bool(((need >= 0) | ~kept.cpu()).all()):
+        if bool(((need >= 0) | ~kept).all()):
             break
-    return torch.where(kept.cpu(), need, torch.zeros_like(need))
+    return torch.where(kept, need, torch.zeros_like(need))
 
 
 def main() -> None:
@@ -143,15 +163,12 @@ def main() -> None:
     for seed, x, y, g in batches:
         early, early_counts, _ = _guarded(model, x, y, g, data, True)
         tight, tight_counts, captured = _guarded(model, x, y, g, data, False)
-        if captured.get("solved") is None:  # the step sent aimed noise (auto's fallback): no one-run solve to replay
-            print(f"| {seed} | {int(early_counts.sum())} | {int(tight_counts.sum())} | – (sent {early.defense}: "
-                  f"{early.details.get('defense_used', '?')}) | – | – | – | – |", flush=True)
-            continue
-        oracle = _oracle(tight, captured, config)
-        exact = _oracle(tight, captured, config, "exact")
-        dual = _oracle(tight, captured, config, "dual")
+        oracle = _oracle(captured, config)
+        exact = _oracle(captured, config, "exact")
+        dual = _oracle(captured, config, "dual")
         clip = early.details.get("clip", float("nan"))
-        print(f"| {seed} | {int(early_counts.sum())} | {int(tight_counts.sum())} | {int(oracle.clamp_min(0).sum())} | "
+        print(f"| {seed} ({captured['kind']}) | {early_counts} | {tight_counts} | "
+              f"{int(oracle.clamp_min(0).sum())} | "
               f"{int(exact.clamp_min(0).sum())} | {int(dual.clamp_min(0).sum())} | "
               f"{int(oracle.max())} / {int(exact.max())} / {int(dual.max())} | "
               f"{early.noise_norm / clip:.4g} / {tight.noise_norm / tight.details.get('clip', float('nan')):.4g} |", flush=True)

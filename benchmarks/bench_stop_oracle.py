@@ -12,14 +12,17 @@ normalisation (``seed=0``), per batch:
 
 - the same oracle with the *exact* error ‖x_k − x*‖ in place of the residual's bound ‖r_k‖/ε (x* from a
   300-step solve, its own bound added): what the certificate would spend with a perfect a-posteriori error
-  estimate, so the most that any tighter rigorous error bound can save.
+  estimate, so the most that any tighter rigorous error bound can save;
+- the same oracle with ``dual_bound``, a verified radius from one more explicit product K·r per iteration
+  (counted): one realisable tighter bound.
 
 The oracle is what any per-sample stop could spend with this certificate; the rtol stop is the practice
 before the early stop. The oracles replay plain CG on the step's own operator whatever kind sent the noise (the guard
 solves resolvent's and eigen's floor by PCG, so their guard columns are not the oracles' solver), with each sample's
 kind in the batch column.
 
-    cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_stop_oracle.py --model cnn --batches 3
+    cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_stop_oracle.py --model cnn --batches 6
+    cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_stop_oracle.py --model resnet20_gn --batch 8 --batches 3
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from flguard.risk.clipped import base_operator
 from flguard.risk.regularised import RegularisedK
 
 MAX_ORACLE_ITERATIONS = 60
-#: CG iterations of the reference solve x* for ``--exact-error`` (its own residual bound is added).
+#: CG iterations of the exact-error oracle's reference solve x* (its own residual bound is added).
 REFERENCE_ITERATIONS = 300
 
 

@@ -3,13 +3,12 @@
 On trained batches of ``bench_guard_models.py``'s model, with the guard's defaults and the data's
 normalisation (``seed=0``), per batch:
 
-- the K products each sample takes in the guard's one-run solve (the verification product included),
+- the K products the guard's solves take (the verification products included), summed over samples,
   with each sample stopped once it certifies (``flguard.guard.floor.STOP_WHEN_SUFFICIENT``) and with every
   sample solved to rtol — counted per row of every product the solver asks for;
 - an oracle that knows the final noise scale c of the rtol-stopped guard: per sample, the fewest CG
   iterations (from 0, at the guard's ε) whose *verified* error bound — an explicit true residual — still
-  certifies the sample at c (``flguard.guard.box_bound.certifies``), plus one verification product.
-
+  certifies the sample at c (``flguard.guard.box_bound.certifies``), plus one verification product;
 - the same oracle with the *exact* error ‖x_k − x*‖ in place of the residual's bound ‖r_k‖/ε (x* from a
   300-step solve, its own bound added): what the certificate would spend with a perfect a-posteriori error
   estimate, so the most that any tighter rigorous error bound can save;
@@ -18,8 +17,8 @@ normalisation (``seed=0``), per batch:
 
 The oracle is what any per-sample stop could spend with this certificate; the rtol stop is the practice
 before the early stop. The oracles replay plain CG on the step's own operator whatever kind sent the noise (the guard
-solves resolvent's and eigen's floor by PCG, so their guard columns are not the oracles' solver), with each sample's
-kind in the batch column.
+solves resolvent's and eigen's floor by PCG, so their guard columns are not the oracles' solver), with the kind the
+step sent in the batch column.
 
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_stop_oracle.py --model cnn --batches 6
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_stop_oracle.py --model resnet20_gn --batch 8 --batches 3

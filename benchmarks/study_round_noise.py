@@ -49,6 +49,7 @@ from flguard.guard import floor, perturb
 from flguard.guard.box_bound import certifies
 from flguard.guard.config import LocalDpConfig
 from flguard.guard.session import open_session
+from flguard.risk.closed_forms import to_rmse
 from flguard.defenses.base import Direction
 from flguard.simulation import task
 from flguard.simulation.task import TaskSettings
@@ -103,8 +104,12 @@ class RoundCertificate:
     def capture(self, ctx, solved, outcome) -> None:
         shift, _, usable, slack = solved[1]
         self._pending = dict(x=ctx.op.x.detach(), shift=shift.detach(), slack=slack.detach(),
-                             kept=torch.isfinite(outcome.rmse_after) & usable, noise=outcome.noise.detach(),
-                             met=outcome.met)
+                             kept=torch.isfinite(outcome.rmse_after) & usable, noise=outcome.noise.detach())
+
+    @property
+    def pending(self) -> bool:
+        """Whether this step's one-run Gaussian was captured (round mode needs it on every step)."""
+        return bool(self._pending)
 
     def step_done(self) -> torch.Tensor:
         """Files the step's data; returns the step's noise (to be taken back off the sent gradient)."""
@@ -126,7 +131,7 @@ class RoundCertificate:
                 continue
             x, shift, slack = s["x"][keep], s["shift"][keep], s["slack"][keep]
             if cfg.bounds is None:
-                ok = c * (shift.norm(dim=1) - slack) / math.sqrt(shift.shape[1]) >= target
+                ok = to_rmse(c * (shift.norm(dim=1) - slack), shift.shape[1]) >= target
             else:
                 low, high = floor.input_bounds(cfg.bounds, x)
                 ok = certifies(x, shift, low, high, c, slack, target)
@@ -137,8 +142,8 @@ class RoundCertificate:
 def local_round(model, data, settings, generator, mode: str, cfg: GuardConfig | None, dp: LocalDpConfig | None,
                 stats: dict) -> bool:
     """One client's local training in place; False when its round is withheld."""
-    before = [p.detach().clone() for p in model.parameters()]
     if mode == "none":
+        before = [p.detach().clone() for p in model.parameters()]
         task.local_sgd(model, data, lr=settings.lr, steps=settings.local_steps, batch_size=settings.batch_size,
                        generator=generator)
         if dp is not None:
@@ -156,7 +161,6 @@ def local_round(model, data, settings, generator, mode: str, cfg: GuardConfig | 
     guard = Guard(cfg)
     certificate = RoundCertificate(cfg) if mode == "round" else None
     original_step, original_isotropic, original_meet = task.guard_step, perturb.isotropic, floor.FloorCalibrator.meet
-    noises = []
 
     def meet(self, ctx, solved=None, kind="gaussian"):
         outcome = original_meet(self, ctx, solved, kind)
@@ -168,7 +172,7 @@ def local_round(model, data, settings, generator, mode: str, cfg: GuardConfig | 
         out = original_step(model_, x, y, grads, loss_fn=loss_fn, step_size=step_size)
         if certificate is None:
             return out
-        if not certificate._pending:
+        if not certificate.pending:
             raise RuntimeError("round mode needs the one-run Gaussian on every step (a gaussian row)")
         noise = certificate.step_done()
         flat = torch.cat([g.reshape(-1) for g in out]) - noise  # the step's clipped, kept gradient, no noise
@@ -213,7 +217,7 @@ def local_round(model, data, settings, generator, mode: str, cfg: GuardConfig | 
     return True
 
 
-def run(settings: TaskSettings, config, row: str) -> dict:
+def run(settings: TaskSettings, config, row: str, rounds: int) -> dict:
     mode, cfg, dp = "none", None, None
     if row.startswith("localdp"):
         spec = next(s for s in config.defenses if s.name == row)
@@ -229,7 +233,7 @@ def run(settings: TaskSettings, config, row: str) -> dict:
     tests = [task.load_partition(settings, pid)[1] for pid in range(settings.num_partitions)]
     stats = {"withheld": 0, "failures": 0, "left_out": 0, "noise": [], "scale_ratio": []}
     accuracies, start = [], time.perf_counter()
-    for server_round in range(1, ROUNDS + 1):
+    for server_round in range(1, rounds + 1):
         states, weights = [], []
         for pid in range(settings.num_partitions):
             train, _ = task.load_partition(settings, pid)
@@ -261,7 +265,6 @@ ROUNDS = 5
 
 
 def main() -> None:
-    global ROUNDS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rows", nargs="+", required=True)
@@ -269,13 +272,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
-    ROUNDS = args.rounds
     torch.set_num_threads(1)
     settings, config = settings_for(args.seed, Path(args.config))
     out = ROOT / "benchmarks" / "results" / f"study_round_noise_s{args.seed}{args.tag}.csv"
     rows = []
     for row in args.rows:
-        rows.append(run(settings, config, row))
+        rows.append(run(settings, config, row, args.rounds))
         print(rows[-1], flush=True)
         with out.open("w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=list(rows[0]))

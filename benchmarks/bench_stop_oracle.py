@@ -13,7 +13,10 @@ normalisation (``seed=0``), per batch:
   300-step solve, its own bound added): what the certificate would spend with a perfect a-posteriori error
   estimate, so the most that any tighter rigorous error bound can save;
 - the same oracle with ``dual_bound``, a verified radius from one more explicit product K·r per iteration
-  (counted): one realisable tighter bound.
+  (counted): one realisable tighter bound;
+- the same oracle with the residual's ball (``flguard.risk.krylov.residual_ball``: centre x_k + r_k/(2ε), radius
+  ‖r_k‖/(2ε), no product) — the bound the guard's solvers use since 2026-11-27; the guard columns are the shipped
+  solvers', so with ``BALL_CENTRE`` on they already stop on it.
 
 The oracle is what any per-sample stop could spend with this certificate; the rtol stop is the practice
 before the early stop. The oracles replay plain CG on the step's own operator whatever kind sent the noise (the guard
@@ -36,6 +39,7 @@ from flguard.guard import floor
 from flguard.guard.box_bound import certifies
 from flguard.risk import regularised
 from flguard.risk import krylov
+from flguard.risk.krylov import residual_ball
 from flguard.risk.assess import jacobian_product
 from flguard.risk.clipped import base_operator
 from flguard.risk.regularised import RegularisedK
@@ -128,7 +132,8 @@ def _oracle(captured, config, mode: str = "residual") -> torch.Tensor:
     """Per sample, the fewest CG iterations whose verified bound certifies it on the noise sent (+1), -1 if none.
     ``mode="exact"``: the bound is instead the true error ‖x_k − x*‖ (x* from a long solve, plus its own verified
     bound) — what a perfect a-posteriori error estimate would spend with this certificate; ``"dual"``: the verified
-    ``dual_bound`` from one more explicit product K·r (+2). The step's own operator, ε and noise (scale 1: the
+    ``dual_bound`` from one more explicit product K·r (+2); ``"ball"``: the residual's ball, centre x_k + r_k/(2ε)
+    and radius ‖r_k‖/(2ε). The step's own operator, ε and noise (scale 1: the
     noise sent is the direction at its final scale), whatever kind sent it."""
     ctx, outcome = captured["ctx"], captured["outcome"]
     op = ctx.op
@@ -149,6 +154,8 @@ def _oracle(captured, config, mode: str = "residual") -> torch.Tensor:
             r = b - system.matvec(x)
             bound = (dual_bound(r, system.matvec(r) - ctx.eps.unsqueeze(1) * r, ctx.eps) if mode == "dual"
                      else r.norm(dim=1) / ctx.eps)
+            if mode == "ball":
+                x, bound = residual_ball(x, r, ctx.eps)
         ok = certifies(op.x, x, low, high, 1.0, bound, target).cpu()
         need = torch.where((need < 0) & ok, torch.full_like(need, k + (2 if mode == "dual" else 1)), need)
         if bool(((need >= 0) | ~kept).all()):
@@ -160,19 +167,20 @@ def main() -> None:
     _, model, data, batches = trained_batches(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     config = GuardConfig(pixel_mean=data.mean, pixel_std=data.std, seed=0)
     print("| batch | K products, early stop (sample-rows, summed) | rtol stop | oracle | oracle, exact error | oracle, dual "
-          "bound | most products of a sample: oracle / exact error / dual bound | noise / C, early / rtol |\n"
-          "|---|---|---|---|---|---|---|---|")
+          "bound | oracle, residual ball | most products of a sample: oracle / exact error / dual bound / ball | "
+          "noise / C, early / rtol |\n|---|---|---|---|---|---|---|---|---|")
     for seed, x, y, g in batches:
         early, early_counts, _ = _guarded(model, x, y, g, data, True)
         tight, tight_counts, captured = _guarded(model, x, y, g, data, False)
         oracle = _oracle(captured, config)
         exact = _oracle(captured, config, "exact")
         dual = _oracle(captured, config, "dual")
+        ball = _oracle(captured, config, "ball")
         clip = early.details.get("clip", float("nan"))
         print(f"| {seed} ({captured['kind']}) | {early_counts} | {tight_counts} | "
               f"{int(oracle.clamp_min(0).sum())} | "
-              f"{int(exact.clamp_min(0).sum())} | {int(dual.clamp_min(0).sum())} | "
-              f"{int(oracle.max())} / {int(exact.max())} / {int(dual.max())} | "
+              f"{int(exact.clamp_min(0).sum())} | {int(dual.clamp_min(0).sum())} | {int(ball.clamp_min(0).sum())} | "
+              f"{int(oracle.max())} / {int(exact.max())} / {int(dual.max())} / {int(ball.max())} | "
               f"{early.noise_norm / clip:.4g} / {tight.noise_norm / tight.details.get('clip', float('nan')):.4g} |", flush=True)
     floor.STOP_WHEN_SUFFICIENT = True
 

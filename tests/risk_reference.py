@@ -77,6 +77,13 @@ def dense_shifted_solve(kernel: torch.Tensor, rhs: torch.Tensor, eps: torch.Tens
     return torch.linalg.solve(kernel + eps.view(-1, 1, 1) * eye, rhs.unsqueeze(-1)).squeeze(-1)
 
 
+def residual_ball_of(iterate: torch.Tensor, rhs: torch.Tensor, apply, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(centre, radius) recomputed here from a solver's ``iterate``: its TRUE residual r = rhs − (K+εI)x by
+    ``apply`` (x ↦ Kx), centre x + r/(2ε), radius ‖r‖/(2ε) — what a verified solver must return."""
+    r = rhs - apply(iterate) - eps.unsqueeze(1) * iterate
+    return iterate + r / (2 * eps.unsqueeze(1)), r.norm(dim=1) / (2 * eps)
+
+
 def assert_reported_rmse(report, dense: torch.Tensor, rtol: float, where: torch.Tensor | None = None,
                          solver_rtol: float | None = None) -> None:
     """The guard's ``rmse_after`` against a dense recomputation: within the report's own per-sample

@@ -1,8 +1,9 @@
 """Spectral-preconditioned CG (``preconditioned_cg``) against dense references.
 
-What must hold whatever the preconditioner: the returned ``error_bound`` is ‖b − (K+εI)x‖/ε for
-the x returned (the TRUE residual, recomputed here), it really bounds ‖x − x*‖ (x* from
-``torch.linalg.solve``), and a converged sample meets error_bound ≤ rtol‖x‖. What the Ritz pairs
+What must hold whatever the preconditioner: the returned ``solution`` and ``error_bound`` are the
+centre x + r/(2ε) and radius ‖r‖/(2ε) of the ball around the last iterate x, r = b − (K+εI)x its
+TRUE residual (recomputed here), the radius really bounds ‖solution − x*‖ (x* from
+``torch.linalg.solve``), and a converged sample meets error_bound ≤ rtol‖solution‖. What the Ritz pairs
 buy: fewer products than plain CG on an ill-conditioned K. Then the guard with
 ``PRECONDITION_CG`` on a small model: its floor verified against dense float64 I²F.
 """
@@ -15,12 +16,12 @@ import torch
 import flguard.guard.floor as floor_module
 from flguard import Guard, GuardConfig
 from flguard.risk.assess import i2f_solve
-from flguard.risk.krylov import conjugate_gradient, preconditioned_cg, spectral_preconditioner
+from flguard.risk.krylov import conjugate_gradient, preconditioned_cg, residual_ball, spectral_preconditioner
 from flguard.risk.lanczos import lanczos
 from flguard.risk.operator import JacobianOperator
 from flguard.risk.regularised import RegularisedK
 from risk_reference import (assert_reported_rmse, dense_jacobians, dense_shifted_solve as _dense, outlier_kernels as _kernels,
-                            tiny_conv_problem)
+                            residual_ball_of, tiny_conv_problem)
 from guard_settings import unclipped
 
 
@@ -35,8 +36,9 @@ def test_pcg_matches_solve_within_its_true_residual_bound_and_needs_fewer_produc
                                                                       eps), rtol=rtol)
     plain = conjugate_gradient(matvec, rhs, eps, rtol=rtol)
     assert bool(pcg.converged.all()) and bool(plain.converged.all())
-    true_residual = rhs - matvec(pcg.solution) - eps.unsqueeze(1) * pcg.solution
-    torch.testing.assert_close(pcg.error_bound, true_residual.norm(dim=1) / eps, rtol=1e-6, atol=0)
+    centre, radius = residual_ball_of(pcg.iterate, rhs, matvec, eps)
+    torch.testing.assert_close(pcg.error_bound, radius, rtol=1e-6, atol=0)
+    assert torch.all((pcg.solution - centre).norm(dim=1) <= 1e-4 * pcg.error_bound + 1e-12)  # rounding only
     error = (pcg.solution - exact).norm(dim=1)
     assert torch.all(error <= pcg.error_bound), (error, pcg.error_bound)
     assert torch.all(pcg.error_bound <= rtol * pcg.solution.norm(dim=1))
@@ -57,9 +59,10 @@ def test_pcg_stops_the_samples_a_sufficient_rule_accepts_with_their_true_bound()
     run = preconditioned_cg(matvec, rhs, eps, precond, rtol=1e-8, sufficient=rule)
     tight = preconditioned_cg(matvec, rhs, eps, precond, rtol=1e-8)
     assert bool(run.converged.all())
-    true_residual = rhs - matvec(run.solution) - eps.unsqueeze(1) * run.solution
+    centre, radius = residual_ball_of(run.iterate, rhs, matvec, eps)
     # the rtol samples' residual sits at rounding level: compared to 1e-13 absolute
-    torch.testing.assert_close(run.error_bound, true_residual.norm(dim=1) / eps, rtol=1e-6, atol=1e-13)
+    torch.testing.assert_close(run.error_bound, radius, rtol=1e-6, atol=1e-13)
+    assert torch.all((run.solution - centre).norm(dim=1) <= 1e-4 * run.error_bound + 1e-12)  # rounding only
     assert torch.all((run.solution - _dense(kernel, rhs, eps)).norm(dim=1) <= run.error_bound)
     norms = run.solution.norm(dim=1)
     assert torch.all(run.error_bound[loose] > 1e-8 * norms[loose]) and torch.all(run.error_bound[loose] <= 0.2 * norms[loose])
@@ -134,3 +137,35 @@ def test_compiled_products_equal_eager_ones(monkeypatch):
     assert hasattr(compiled.op, "_compiled_kmv")
     torch.testing.assert_close(first, eager @ u)
     torch.testing.assert_close(second, eager @ u)
+
+
+def test_the_residual_ball_holds_the_solution_and_is_the_least_ball_the_residual_allows():
+    """``residual_ball`` against ``torch.linalg.solve``: for any iterate x, x* = (A+εI)⁻¹b lies within ‖r‖/(2ε)
+    of x + r/(2ε) — for PSD A of any spectrum and for a non-symmetric A whose symmetric part is PSD (float32
+    products are slightly asymmetric) — and no smaller ball would do: with A = 0 x* sits on the far side
+    (x + r/ε) and with A ≫ εI on the near side (x), both on the sphere."""
+    gen = torch.Generator().manual_seed(7)
+    n, batch = 40, 6
+    basis = torch.linalg.qr(torch.randn(batch, n, n, generator=gen, dtype=torch.float64))[0]
+    values = torch.logspace(-4, 3, n, dtype=torch.float64).expand(batch, n) * torch.rand(batch, 1, generator=gen,
+                                                                                           dtype=torch.float64)
+    skew = torch.randn(batch, n, n, generator=gen, dtype=torch.float64)
+    kernels = [(basis * values.unsqueeze(1)) @ basis.transpose(1, 2)]
+    kernels.append(kernels[0] + 0.5 * (skew - skew.transpose(1, 2)))  # accretive, not symmetric
+    eps = torch.full((batch,), 0.1, dtype=torch.float64)
+    b = torch.randn(batch, n, generator=gen, dtype=torch.float64)
+    x = torch.randn(batch, n, generator=gen, dtype=torch.float64)  # any iterate
+    for kernel in kernels:
+        exact = _dense(kernel, b, eps)
+        r = b - torch.einsum("bij,bj->bi", kernel, x) - eps.unsqueeze(1) * x
+        centre, radius = residual_ball(x, r, eps)
+        torch.testing.assert_close(radius, r.norm(dim=1) / (2 * eps))
+        distance = (exact - centre).norm(dim=1)
+        assert torch.all(distance <= radius * (1 + 1e-12)), (distance, radius)
+        assert torch.all((exact - x).norm(dim=1) <= 2 * radius * (1 + 1e-12))  # inside the plain ‖r‖/ε ball
+    for scale in (0.0, 1e9):  # the two ends of the spectrum: x* on the sphere
+        kernel = scale * torch.eye(n, dtype=torch.float64).expand(batch, n, n)
+        exact = _dense(kernel, b, eps)
+        r = b - torch.einsum("bij,bj->bi", kernel, x) - eps.unsqueeze(1) * x
+        centre, radius = residual_ball(x, r, eps)
+        torch.testing.assert_close((exact - centre).norm(dim=1), radius, rtol=1e-6, atol=0)

@@ -84,7 +84,8 @@ def test_solves_with_shrinking_products_match_dense_solves_and_cost_less(monkeyp
     for shrink in (False, True):
         monkeypatch.setattr(regularised_module, "SHRINK_TO_ACTIVE", shrink)
         op = JacobianOperator(model, x, y)
-        res = RegularisedK(op, eps).solve(rhs, rtol=1e-5, ritz=ritz)
+        # PCG to 1e-9: at looser tolerances its samples here certify within an iteration of each other
+        res = RegularisedK(op, eps).solve(rhs, rtol=1e-9 if solver == "pcg" else 1e-5, ritz=ritz)
         assert bool(res.converged.all())
         assert torch.all((res.solution - exact).norm(dim=1) <= 1e-5 * res.solution.norm(dim=1))
         results[shrink] = (res, op.applications)

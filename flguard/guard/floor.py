@@ -26,7 +26,7 @@ from flguard.risk.krylov import Sufficient
 
 #: The I²F solves behind the floor run PCG preconditioned by the Lanczos run's Ritz pairs (the
 #: spectral preconditioner of ``flguard.risk.krylov``), stopped on the true residual: same
-#: certificate ‖x − x*‖ ≤ ‖r‖/ε, fewer Jacobian products (docs/results.md "Issue 12 §3 — cost,
+#: certificate from the true residual (``flguard.risk.krylov.residual_ball``), fewer Jacobian products (docs/results.md "Issue 12 §3 — cost,
 #: continued"): on the demo's trained CNN 5–11% fewer CG products per step, and a certificate on
 #: the true residual — plain CG's recurrence residual under-stated it by up to 6% in float32.
 #: False: plain CG, as before.

@@ -28,7 +28,7 @@ from flguard.risk.regularised import RegularisedK
 #: The calibrated Gaussian's direction and row-space noise need no Ritz vectors from the verification's
 #: spectrum (row-space noise's filter runs a rough Lanczos of its own), so their λmax (for ε) and their
 #: I²F solve come from one Lanczos run per sample started at J_iδ (``flguard.risk.lanczos_solve``)
-#: instead of a Lanczos run and then PCG: the same certificate (true-residual bound ‖r‖/ε ≤ rtol‖x‖, ε
+#: instead of a Lanczos run and then PCG: the same certificate (the true residual's bound ≤ rtol‖x‖, ε
 #: from λmax's own residual test), about a third fewer Jacobian products (docs/results.md "One Lanczos
 #: run for λmax and the solve"). False: as before.
 LANCZOS_SOLVE = True

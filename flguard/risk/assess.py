@@ -151,8 +151,9 @@ def i2f_solve(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float,
     """((K_i+ε_iI)⁻¹J_iδ [B, dx], ‖J_iδ‖, converged, error bound) per sample — I2F's definition, written once.
 
     The solution is the predicted shift of sample i's best reconstruction (model-input units); the
-    error bound ‖x − x*‖ ≤ ‖r‖/ε is the solver's (on the true residual with ``ritz``; plain CG's
-    recurrence residual otherwise, which its converged samples keep ≤ rtol‖x‖).
+    error bound is the solver's: with ``ritz`` the radius ‖r‖/(2ε) of the ball around the solution that the true
+    residual of PCG's iterate gives (``flguard.risk.krylov.residual_ball``); otherwise plain CG's ‖r‖/ε on its
+    recurrence residual, which its converged samples keep ≤ rtol‖x‖.
     ``delta`` is shared [dθ] or per sample [B, dθ]; the CG stops on the error bound ‖r‖/ε.
     ``ritz``: Ritz pairs of K_i (values [B, k], vectors [B, k, dx]) to precondition with; the stop
     is then on the true residual (``flguard.risk.krylov.preconditioned_cg``). ``max_iter`` caps each
@@ -172,10 +173,9 @@ def i2f_solve_with_lambda_max(op: Jacobian, delta: torch.Tensor, eps: float, rel
     """``i2f_solve`` with ε_i = eps·λmax_i (``relative``) or eps set by the same run: one Lanczos run
     per sample started at J_iδ gives λmax and the solve (``flguard.risk.lanczos_solve``) — for a δ
     that does not depend on K's spectrum. Returns (shift [B, dx], ‖J_iδ‖, converged, λmax, ε,
-    λmax converged, error bound ‖r‖/ε on the true residual); converged: λmax's test and that bound ≤
-    rtol‖shift‖. ``skip``:
-    samples left unsolved (shift 0, not converged); ``sufficient``: the caller's early stop
-    (``flguard.risk.krylov.Sufficient``)."""
+    λmax converged, error bound ‖r‖/(2ε) on the true residual, ``residual_ball``); converged: λmax's test
+    and that bound ≤ rtol‖shift‖. ``skip``: samples left unsolved (shift 0, not converged); ``sufficient``:
+    the caller's early stop (``flguard.risk.krylov.Sufficient``)."""
     b = jacobian_product(op, delta)
     run = RegularisedK(op).solve_with_lambda_max(b, eps, relative=relative, rtol=rtol, seed=seed, max_iter=max_iter,
                                                  skip=skip, sufficient=sufficient)

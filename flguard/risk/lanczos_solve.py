@@ -12,7 +12,8 @@ searches, and a shift-invariant one — so with its basis Q_m and tridiagonal T_
 
 A sample stops when both meet rtol, at ε set by that step's θmax. Its stop is then verified like
 ``flguard.risk.krylov.preconditioned_cg``'s: the true residual by one explicit product (batched
-with the next step's Lanczos products), ``error_bound`` = ‖b − (A+εI)x‖/ε ≥ ‖x − x*‖ for any x.
+with the next step's Lanczos products), and the sample's answer is the centre of the ball that residual
+places x* in (``flguard.risk.krylov.residual_ball``), ``error_bound`` its radius ‖b − (A+εI)x‖/(2ε).
 A sample whose true residual misses — in float32 the products of a nearly saturated sample are
 accurate to ~1e-3 of λmax and slightly asymmetric, which breaks the Lanczos relation the recurrence
 estimate rests on — is finished by PCG from its x, preconditioned by its own Ritz pairs (PCG
@@ -33,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flguard.risk.krylov import Matvec, RowsMatvec, Sufficient, _on_rows, preconditioned_cg, spectral_preconditioner
+from flguard.risk.krylov import (Matvec, RowsMatvec, Sufficient, _on_rows, preconditioned_cg, residual_ball,
+                                 spectral_preconditioner)
 
 _ITERATE, _VERIFY, _DONE = 0, 1, 2
 #: With ``sufficient``: a stop whose true error bound is within DRIFT× the recurrence's estimate was
@@ -44,9 +46,9 @@ DRIFT = 2.0
 @dataclass
 class LanczosSolveResult:
     """Per sample: ``solution`` [B, n]; ``lambda_max`` (θmax when it stopped) and ``eps`` [B];
-    ``error_bound`` ‖b − (A+εI)x‖/ε from an explicit product [B]; ``lambda_converged`` (the Ritz
-    residual test) and ``converged`` (that and error_bound ≤ rtol‖x‖, or the ``sufficient`` rule's
-    acceptance of the verified x) [B]."""
+    ``error_bound`` ≥ ‖solution − x*‖ from an explicit product's residual (``residual_ball``) [B];
+    ``lambda_converged`` (the Ritz residual test) and ``converged`` (that and error_bound ≤ rtol‖x‖, or the
+    ``sufficient`` rule's acceptance of the verified x) [B]."""
 
     solution: torch.Tensor
     lambda_max: torch.Tensor
@@ -56,6 +58,7 @@ class LanczosSolveResult:
     converged: torch.Tensor
     iterations: int
     matvecs: int
+    iterate: torch.Tensor | None = None  # the Galerkin (or PCG) iterate whose residual placed the ball
 
 
 def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bool = True, rtol: float = 1e-3,
@@ -91,7 +94,7 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
     if skip is not None:
         phase = torch.where(skip.to(device), torch.full_like(phase, _DONE), phase)
     refine = torch.zeros(batch, dtype=torch.bool, device=device)
-    x = torch.zeros_like(rhs)
+    x, iterates = torch.zeros_like(rhs), torch.zeros_like(rhs)
     lambda_max, shift, bound = (torch.zeros(batch, dtype=dtype, device=device) for _ in range(3))
     lambda_ok = torch.zeros(batch, dtype=torch.bool, device=device)
     exhausted = torch.zeros_like(lambda_ok)
@@ -105,10 +108,11 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
         matvecs += 1
 
         if bool(verifying.any()):  # the true residual of the samples that stopped last step
-            residual = rhs - out - shift.unsqueeze(1) * x
-            true_bound = residual.norm(dim=1) / shift.clamp_min(tiny)
-            true_bound = torch.where(rhs_norm > 0, true_bound, torch.zeros_like(true_bound))
+            residual = torch.where((rhs_norm > 0).unsqueeze(1), rhs - out - shift.unsqueeze(1) * x, torch.zeros_like(x))
+            centre, true_bound = residual_ball(x, residual, shift)
             estimate, bound = bound, torch.where(verifying, true_bound, bound)
+            iterate, x = x, torch.where(verifying.unsqueeze(1), centre, x)  # the ball's centre is the answer
+            iterates = torch.where(verifying.unsqueeze(1), iterate, iterates)
             passed = true_bound <= rtol * x.norm(dim=1)
             resume = torch.zeros_like(passed)
             if sufficient is not None:  # rejected on a sound estimate: the target moved, so iterate on
@@ -116,6 +120,7 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
                 resume = verifying & ~passed & ~exhausted & (true_bound <= DRIFT * estimate)
             # the recurrence estimate drifted: PCG below (which needs ε > 0; a sample without it stays unconverged)
             refine = refine | (verifying & ~passed & ~exhausted & ~resume & (shift > 0))
+            x = torch.where(refine.unsqueeze(1), iterate, x)  # PCG starts from the iterate, whose residual is small
             phase = torch.where(resume, _ITERATE, torch.where(verifying, _DONE, phase))
 
         if bool(iterating.any()):
@@ -138,13 +143,14 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
             top = theta[:, -1]
             lam_ok = top_residual <= rtol * top.abs().clamp_min(tiny)
             no_rhs = rhs_norm[idx] == 0  # x = 0 is exact; λmax is still wanted
-            solve_ok = no_rhs | ((eps_now > 0) & (b * y_last.abs() / eps_now.clamp_min(tiny) <= rtol * y.norm(dim=1)))
-            full = length[idx] >= limit
-            # a sample that stops: x = Q y, checked against the true residual at the next product
+            # a sample that stops: x = Q y, checked against the true residual at the next product; until then its
+            # residual is −y_m·w by the Lanczos relation (w = β_m q_{m+1}), which gives the ball's estimate
             solution = torch.einsum("rkn,rk->rn", used, y[:, :size])
+            centre, radius = residual_ball(solution, -y_last.unsqueeze(1) * w, eps_now)
+            solve_ok = no_rhs | ((eps_now > 0) & (radius <= rtol * centre.norm(dim=1)))
+            full = length[idx] >= limit
             if sufficient is not None:  # every iterate is current, so the rule sees the whole batch
-                x[idx] = solution
-                bound[idx] = b * y_last.abs() / eps_now.clamp_min(tiny)
+                x[idx], bound[idx] = centre, radius
                 ask = torch.zeros_like(lambda_ok)
                 ask[idx] = lam_ok & ~solve_ok & (eps_now > 0)  # ε = 0: no error bound to judge it by
                 solve_ok = solve_ok | sufficient(x, bound, ask)[idx]
@@ -170,22 +176,21 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
             phase = torch.where(resume, torch.full_like(phase, _ITERATE), phase)
     if bool(refine.any()):
         idx = refine.nonzero().squeeze(1)
-        x[idx], bound[idx], extra, finished = _finish_with_pcg(matvec, rows_matvec, rhs, x, shift, idx,
-                                                               (basis, alpha, beta, length), rtol, limit, sufficient,
-                                                               bound)
+        x[idx], bound[idx], extra, finished, iterates[idx] = _finish_with_pcg(
+            matvec, rows_matvec, rhs, x, shift, idx, (basis, alpha, beta, length), rtol, limit, sufficient, bound)
         matvecs += extra
         accepted[idx] = finished  # by rtol or by the rule, on PCG's true residual
     # ε = 0 with rhs ≠ 0 (K_i zero in float32) leaves ‖r‖/ε no bound at all: x and it overflow, never "converged"
     bounded = ((shift > 0) | (rhs_norm == 0)) & torch.isfinite(bound) & torch.isfinite(x.norm(dim=1))
     converged = lambda_ok & bounded & ((bound <= rtol * x.norm(dim=1)) | accepted)
-    return LanczosSolveResult(x, lambda_max, shift, bound, lambda_ok, converged, iterations, matvecs)
+    return LanczosSolveResult(x, lambda_max, shift, bound, lambda_ok, converged, iterations, matvecs, iterates)
 
 
 def _finish_with_pcg(matvec: Matvec, rows_matvec: RowsMatvec | None, rhs: torch.Tensor, x: torch.Tensor,
                      shift: torch.Tensor, idx: torch.Tensor, lanczos_state: tuple, rtol: float,
                      limit: int, sufficient: Sufficient | None = None, bounds: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    """(x, error bound, products, converged) of the samples ``idx`` by PCG from their Lanczos x,
+                     ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor]:
+    """(x, error bound, products, converged, iterate) of the samples ``idx`` by PCG from their Lanczos x,
     preconditioned by their own Ritz pairs (the padding past a sample's length gives θ = 0 pairs, which
     the spectral preconditioner leaves alone); ``sufficient`` sees the whole batch, the other samples' x
     and error ``bounds`` as they are."""
@@ -211,7 +216,7 @@ def _finish_with_pcg(matvec: Matvec, rows_matvec: RowsMatvec | None, rhs: torch.
     finish = preconditioned_cg(lambda v: sub_rows(v, every), rhs[idx], shift[idx], precond, rtol=rtol,
                                max_iter=limit, rows_matvec=sub_rows, initial=x[idx],
                                sufficient=None if sufficient is None else sub_rule)
-    return finish.solution, finish.error_bound, finish.matvecs, finish.converged
+    return finish.solution, finish.error_bound, finish.matvecs, finish.converged, finish.iterate
 
 
 def _tridiagonal(alpha: torch.Tensor, beta: torch.Tensor, length: torch.Tensor, size: int) -> torch.Tensor:

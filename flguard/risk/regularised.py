@@ -4,7 +4,7 @@ In the spirit of curvlinops' linear operators: ``K @ u`` applies it, ``shape``, 
 ``device`` describe it, and the solvers take it directly — ``K.lanczos(...)`` for the spectrum,
 ``K.solve(b)`` for I2F's (K_i+ε_iI)⁻¹b. It is the one place where the Jacobian operator's
 products on [B, k, dx] (k vectors per sample) are adapted to the solvers' one vector per sample
-[B, dx], and it carries ε, so that the CG solve and its error bound ‖r‖/ε use the same ε.
+[B, dx], and it carries ε, so that the CG solve and its error bound (from ‖r‖/ε) use the same ε.
 
 The Lanczos and CG modules stay model-free (they see a batched matvec); this module binds them to
 the Jacobian operator.

@@ -217,5 +217,5 @@ def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, pr
     if bool(unverified.any()):  # out of iterations: the ball of the x returned, from an explicit product
         r = torch.where(unverified.unsqueeze(1), rhs - apply(x, unverified), r)
         matvecs += 1
-        bound = torch.where(unverified, residual_ball(x, r, shift)[1], bound)
-    return CGResult(residual_ball(x, r, shift)[0], converged, iterations, matvecs, bound, x)  # r: every row's true one
+    centre, radius = residual_ball(x, r, shift)  # r: every row's true residual now (a verified row's is frozen)
+    return CGResult(centre, converged, iterations, matvecs, radius, x)

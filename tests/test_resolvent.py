@@ -9,9 +9,13 @@ from torch import nn
 
 from flguard import Guard
 from flguard.defenses.base import DefenseContext
-from flguard.defenses.resolvent import FILTER_STEPS, NORM_STEPS, krylov_resolvent, own_solution, resolvent
+import importlib
+
+from flguard.defenses.resolvent import (FILTER_STEPS, NORM_STEPS, chosen_resolvent, krylov_resolvent, own_solution, resolvent,
+                                        run_steps)
 from flguard.guard.config import GuardConfig
 from flguard.risk.clipped import ClippedJacobian
+from flguard.risk.lanczos import lanczos
 from flguard.risk.operator import JacobianOperator
 from flguard.risk.regularised import RegularisedK
 from guard_settings import unclipped
@@ -38,14 +42,21 @@ def _problem(batch: int = 3, seed: int = 0):
     return model, x, y
 
 
+MODULE = importlib.import_module("flguard.defenses.resolvent")  # the package binds the name to the function
+
+
+@pytest.mark.parametrize("choose", [True, False])
 @pytest.mark.parametrize("clipped", [False, True])
 @pytest.mark.parametrize("run", ["own", "guard"])
-def test_the_direction_is_the_krylov_filtered_noise_scaled_to_unit_own_i2f(clipped, run):
-    """Σ_i J_iᵀv_i/ι_i with v_i the Galerkin solution of (K_i+ε_iI)v = z_i on the FILTER_STEPS-dimensional Krylov
-    space of K_i from z_i (CG's iterate) and ι_i the norm of the Galerkin solution of (K_i+ε_iI)w = K_iv_i on the
-    whole run's Krylov space — written out from the dense float64 blocks (the clipped operator's blocks s_iJ_iP_i
-    with median clipping). ``own``: the defense's own run of FILTER_STEPS + NORM_STEPS steps, z from the guard's
-    stream; ``guard``: a longer λmax run handed over as the guard does (``DefenseContext.spectrum``), z its start."""
+def test_the_direction_is_the_krylov_filtered_noise_scaled_to_unit_own_i2f(clipped, run, choose, monkeypatch):
+    """Σ_i J_iᵀv_i/ι_i with v_i the Galerkin solution of (K_i+ε_iI)v = z_i on the k_i-dimensional Krylov space of
+    K_i from z_i (CG's iterate) and ι_i the norm of the Galerkin solution of (K_i+ε_iI)w = K_iv_i on the whole
+    run's Krylov space — written out from the dense float64 blocks (the clipped operator's blocks s_iJ_iP_i with
+    median clipping). ``choose``: k_i the k of 1 … m with the largest ι_i(k)/‖J_iᵀv_i(k)‖, that norm from the dense
+    Jacobian; else k_i = FILTER_STEPS (the former fixed filter). ``own``: the defense's own run of ``run_steps()``
+    steps, z from the guard's stream; ``guard``: a longer λmax run handed over as the guard does
+    (``DefenseContext.spectrum``), z its start."""
+    monkeypatch.setattr(MODULE, "CHOOSE_FILTER", choose)
     model, x, y = _problem()
     op = JacobianOperator(model, x, y)
     jac, _ = dense_jacobians(model, x, y)  # [B, dx, dθ]
@@ -61,9 +72,9 @@ def test_the_direction_is_the_krylov_filtered_noise_scaled_to_unit_own_i2f(clipp
         jac = scale.view(-1, 1, 1) * jac @ projection
     kernel = jac @ jac.transpose(1, 2)
     eps = 1e-2 * torch.linalg.eigvalsh(kernel)[:, -1]
-    spectrum, steps = None, FILTER_STEPS + NORM_STEPS
+    spectrum, steps = None, run_steps()
     if run == "guard":
-        steps = FILTER_STEPS + NORM_STEPS + 4
+        steps = run_steps() + 4
         spectrum = RegularisedK(op).lanczos(rtol=0.0, min_iter=steps, max_iter=steps, seed=11)
         start = spectrum.basis[:, 0]
     else:
@@ -73,15 +84,62 @@ def test_the_direction_is_the_krylov_filtered_noise_scaled_to_unit_own_i2f(clipp
                          torch.Generator().manual_seed(4), GuardConfig(defense="resolvent"), spectrum=spectrum)
     got = resolvent(ctx)
     expected = torch.zeros(op.dtheta, dtype=torch.float64)
-    own = []
+    own, lengths = [], []
     for i in range(3):
         shifted = kernel[i] + eps[i] * torch.eye(op.dx, dtype=torch.float64)
-        v = _galerkin(shifted, start[i], _krylov_basis(kernel[i], start[i], FILTER_STEPS))
-        own.append(_galerkin(shifted, kernel[i] @ v, _krylov_basis(kernel[i], start[i], steps)).norm())
-        expected += jac[i].T @ v / own[-1]
+        whole = _krylov_basis(kernel[i], start[i], steps)
+        parts = []  # (ι_i(k) / ‖J_iᵀv_i(k)‖, k, v_i(k), ι_i(k))
+        for k in (range(1, steps + 1) if choose else [FILTER_STEPS]):
+            v = _galerkin(shifted, start[i], _krylov_basis(kernel[i], start[i], k))
+            iota = _galerkin(shifted, kernel[i] @ v, whole).norm()
+            parts.append((float(iota / (jac[i].T @ v).norm()), k, v, iota))
+        ratios = sorted(part[0] for part in parts)
+        assert len(ratios) == 1 or ratios[-1] > 1.001 * ratios[-2]  # a clear choice, so rounding cannot flip it
+        _, k, v, iota = max(parts, key=lambda part: part[0])
+        own.append(iota)
+        lengths.append(float(k))
+        expected += jac[i].T @ v / iota
     assert got.info["lanczos_steps"] == steps
+    assert got.info["filter_steps"].tolist() == lengths
     torch.testing.assert_close(got.info["own_i2f"], torch.stack(own), rtol=1e-6, atol=0)
     torch.testing.assert_close(got.vector, expected, rtol=1e-6, atol=1e-9 * float(expected.abs().max()))
+
+
+def test_each_sample_filters_on_the_prefix_that_buys_the_most_own_i2f_per_unit_of_its_noise():
+    """``chosen_resolvent`` on explicit float64 blocks with three spectra — a few large eigenvalues over many far
+    below ε (a trained model's shape), log-uniform over three decades (an initialisation's), one outlier over a
+    flat bulk: for every k of the 6-step run the dense reference computes v_i(k) (Galerkin on the k-dimensional
+    Krylov space from z_i), ι_i(k) (Galerkin on the whole run's space) and ‖J_iᵀv_i(k)‖² = v_i(k)ᵀK_iv_i(k) with
+    the dense K_i; each sample's k_i is the argmax of ι_i(k)/‖J_iᵀv_i(k)‖, and the samples choose differently."""
+    torch.manual_seed(0)
+    n, m = 40, 6
+    spectra = [torch.cat([torch.tensor([1000.0, 400.0, 150.0]), torch.logspace(-3, 0.5, n - 3)]),
+               torch.logspace(0, 3, n), torch.cat([torch.tensor([1000.0]), torch.logspace(-1, 1.5, n - 1)])]
+    blocks = []
+    for values in spectra:
+        rotation = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64))[0]
+        blocks.append(rotation @ torch.diag(values.double()) @ rotation.T)
+    kernel = torch.stack(blocks)
+    start = torch.randn(3, n, dtype=torch.float64)
+    run = lanczos(lambda u: torch.einsum("bij,bj->bi", kernel, u), 3, n, like=start, rtol=0.0, min_iter=m, max_iter=m,
+                  start=start)
+    eps = 1e-2 * torch.linalg.eigvalsh(kernel)[:, -1]
+    filtered, own, lengths = chosen_resolvent(run, eps)
+    for i in range(3):
+        shifted = kernel[i] + eps[i] * torch.eye(n, dtype=torch.float64)
+        whole = _krylov_basis(kernel[i], start[i], m)
+        parts = []
+        for k in range(1, m + 1):
+            v = _galerkin(shifted, start[i] / start[i].norm(), _krylov_basis(kernel[i], start[i], k))
+            iota = _galerkin(shifted, kernel[i] @ v, whole).norm()
+            parts.append((float(iota / (v @ kernel[i] @ v).sqrt()), k, v, iota))
+        ratios = sorted(part[0] for part in parts)
+        assert ratios[-1] > 1.001 * ratios[-2]
+        _, k, v, iota = max(parts, key=lambda part: part[0])
+        assert float(lengths[i]) == k
+        torch.testing.assert_close(filtered[i], v, rtol=1e-6, atol=1e-9 * float(v.abs().max()))
+        torch.testing.assert_close(own[i], iota, rtol=1e-6, atol=0)
+    assert len(set(lengths.tolist())) == 3, lengths  # 4, 6 and 2 steps here
 
 
 def test_own_solution_is_the_galerkin_solve_of_each_samples_own_part():
@@ -106,7 +164,7 @@ def test_own_solution_is_the_galerkin_solve_of_each_samples_own_part():
 
 
 def test_the_guard_hands_its_lambda_max_run_over_and_the_direction_costs_one_transposed_product():
-    """In the guard the filter comes from the λmax run (at least FILTER_STEPS + NORM_STEPS steps): the resolvent
+    """In the guard the filter comes from the λmax run (at least ``run_steps()`` steps): the resolvent
     step spends the run, one summed Jᵀ product and the floor's solve — no run or solve of its own."""
     model, x, y = _problem(4)
     g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(
@@ -124,9 +182,9 @@ def test_the_guard_hands_its_lambda_max_run_over_and_the_direction_costs_one_tra
     finally:
         resolvent.__globals__["RegularisedK"].lanczos = original
     assert out.report.met, out.report.reason
-    assert len(calls) == 1 and calls[0]["min_iter"] == FILTER_STEPS + NORM_STEPS  # the guard's run only
+    assert len(calls) == 1 and calls[0]["min_iter"] == run_steps()  # the guard's run only
     assert calls[0]["start"] is not None and calls[0]["start"].shape == x.flatten(1).shape  # z from the guard's stream
-    assert out.report.details["lanczos_steps"] >= FILTER_STEPS + NORM_STEPS
+    assert out.report.details["lanczos_steps"] >= run_steps()
 
 
 def test_resolvent_draws_from_the_guard_stream():

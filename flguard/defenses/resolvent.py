@@ -4,10 +4,18 @@ sample's part scaled to unit I²F on its own sample, carried to the update throu
 δ = Σ_i J_iᵀv_i/ι_i, v_i ≈ (K_i+ε_iI)⁻¹z_i and ι_i ≈ ‖(K_i+ε_iI)⁻¹K_iv_i‖ — the I²F that sample i's own part
 causes on sample i — both taken on the Krylov space of a Lanczos run on K_i started at z_i (z_i ~ N(0, I_dx)
 up to its norm, fresh per sample and step; K_i's Krylov spaces do not depend on the shift ε_i): v_i is CG's
-``FILTER_STEPS``-th iterate, Q_i(T_i+ε_iI)⁻¹e₁ on the run's first vectors, and ι_i the Galerkin solution's norm on
-``NORM_STEPS`` more (``krylov_resolvent``). The run is the guard's own λmax run, which then goes on to that many
-steps (``DefenseContext.spectrum``; ε_i is read off that very run), so the direction costs the run's extra steps
-and one summed Jᵀ product for δ; without it the defense runs one of its own.
+k_i-th iterate, Q_i(T_i+ε_iI)⁻¹e₁ on the run's first k_i vectors, and ι_i the Galerkin solution's norm on the
+whole run (``krylov_resolvent``). The run is the guard's own λmax run, which goes on to ``RUN_STEPS`` steps at
+least (``DefenseContext.spectrum``; ε_i is read off that very run), so the direction costs no product beyond the
+run's and one summed Jᵀ product for δ; without it the defense runs one of its own.
+
+The filter's length k_i is each sample's own (``chosen_resolvent``): of the run's prefixes k = 1 … m, the one
+whose part buys the most own I²F per unit of its own noise, ι_i(k)/‖J_iᵀv_i(k)‖ — both read off the run, since
+‖J_iᵀv‖² = vᵀK_iv = y_kᵀT_i[:k, :k]y_k. Sample i's part carries ‖J_iᵀv_i‖/ι_i of noise for its unit I²F, so that
+ratio is what the sum's norm is made of. Measured (docs/results.md, "Each sample's own filter length"): on
+trained models most samples pick k = 2–3, at the CNN's initialisation every sample picks the run's last step,
+and a 6-step run so aims as well as or better than the former fixed filter on 6 of a 9-step run
+(``CHOOSE_FILTER = False`` restores that, for measurements).
 
 Why: along the eigenvector u_j of K_i (eigenvalue θ_j) noise of unit norm moves sample i's best
 reconstruction by the regularised gain √θ_j/(θ_j+ε), largest at θ_j = ε. Eigen finds directions near
@@ -34,23 +42,37 @@ from flguard.risk.clipped import Jacobian
 from flguard.risk.lanczos import LanczosResult
 from flguard.risk.regularised import RegularisedK
 
-#: The filter's Krylov steps (v_i: CG's FILTER_STEPS-th iterate) and the further steps that refine ι_i: the
-#: guard's λmax run goes on to FILTER_STEPS + NORM_STEPS steps at least (a direction without that run takes a
-#: run of its own that long); a longer run filters on its first FILTER_STEPS. Measured (docs/results.md,
-#: "Resolvent noise from the λmax run"; ``benchmarks/study_aimed_noise.py``).
+#: The Krylov run resolvent noise needs: the guard's λmax run goes on to RUN_STEPS steps at least (a direction
+#: without that run takes a run of its own that long), and each sample filters on the prefix of the run it
+#: chooses (``chosen_resolvent``). Measured (docs/results.md, "Each sample's own filter length").
+RUN_STEPS = 6
+#: True: each sample's filter length chosen from the run (``chosen_resolvent``). False: the former fixed filter —
+#: v_i on the first FILTER_STEPS steps of a run of FILTER_STEPS + NORM_STEPS (docs/results.md, "Resolvent noise
+#: from the λmax run"), kept for measurements; ``run_steps`` reads the flag at call time.
+CHOOSE_FILTER = True
 FILTER_STEPS, NORM_STEPS = 6, 3
+
+
+def run_steps() -> int:
+    """The λmax run's least length for resolvent noise under the current ``CHOOSE_FILTER``."""
+    return RUN_STEPS if CHOOSE_FILTER else FILTER_STEPS + NORM_STEPS
 
 
 def resolvent(ctx: DefenseContext) -> Direction:
     """Σ_i J_iᵀv_i/ι_i (module doc) on the step's (clipped) operator at the guard's ε_i."""
     op = ctx.op
     run = ctx.spectrum
-    steps = FILTER_STEPS + NORM_STEPS
+    steps = run_steps()
     if run is None or run.basis.shape[1] < min(steps, op.dx):
         run = RegularisedK(op).lanczos(rtol=0.0, min_iter=steps, max_iter=steps, start=resolvent_start(ctx.generator, op))
-    filtered, own = krylov_resolvent(run, ctx.eps, FILTER_STEPS)
+    if CHOOSE_FILTER:
+        filtered, own, lengths = chosen_resolvent(run, ctx.eps)
+    else:
+        filtered, own = krylov_resolvent(run, ctx.eps, FILTER_STEPS)
+        lengths = torch.full_like(own, float(min(FILTER_STEPS, run.basis.shape[1])))
     vector = carried(op, filtered, own)
-    return Direction(vector, {"kind": "resolvent", "own_i2f": own, "lanczos_steps": float(run.basis.shape[1])})
+    return Direction(vector, {"kind": "resolvent", "own_i2f": own, "filter_steps": lengths,
+                              "filter_steps_mean": float(lengths.mean()), "lanczos_steps": float(run.basis.shape[1])})
 
 
 def carried(op: Jacobian, filtered: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
@@ -87,6 +109,26 @@ def krylov_resolvent(run: LanczosResult, eps: torch.Tensor,
     return filtered, galerkin.norm(dim=1)
 
 
+def chosen_resolvent(run: LanczosResult, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(v_i [B, dx], ι_i [B], k_i [B]): ``krylov_resolvent``'s pair on the prefix k_i of the run (1 ≤ k_i ≤ m) that
+    maximises ι_i(k)/‖J_iᵀv_i(k)‖, the own I²F per unit of the sample's own noise; ‖J_iᵀv_i(k)‖² = y_kᵀT_i[:k, :k]y_k
+    with v_i(k) = Q_i[:k]y_k. A sample whose every k gives a zero or non-finite ratio keeps k = 1 (its ι_i is then
+    zero or non-finite and ``carried`` drops its part). No product: m small eigenproblems per sample."""
+    best = None
+    for k in range(1, run.basis.shape[1] + 1):
+        filtered, galerkin, energy = _filtered_and_galerkin(run, eps, k, with_energy=True)
+        own = galerkin.norm(dim=1)
+        ratio = own / energy.clamp_min(0.0).sqrt()
+        ratio = torch.where(torch.isfinite(ratio), ratio, torch.full_like(ratio, -1.0))
+        if best is None:
+            best = [filtered, own, torch.ones_like(own), ratio]
+            continue
+        better = ratio > best[3]
+        best = [torch.where(better.unsqueeze(1), filtered, best[0]), torch.where(better, own, best[1]),
+                torch.where(better, torch.full_like(own, float(k)), best[2]), torch.where(better, ratio, best[3])]
+    return best[0], best[1], best[2]
+
+
 def own_solution(run: LanczosResult, eps: torch.Tensor, filter_steps: int | None = None) -> torch.Tensor:
     """w_i [B, dx]: ``krylov_resolvent``'s Galerkin solution of (K_i+ε_iI)w = K_iv_i in input space (‖w_i‖ = ι_i) —
     the solve of sample i's own part of resolvent noise that the run already holds."""
@@ -94,19 +136,24 @@ def own_solution(run: LanczosResult, eps: torch.Tensor, filter_steps: int | None
     return torch.einsum("bmn,bmj,bj->bn", run.basis, run.coordinates, galerkin)
 
 
-def _filtered_and_galerkin(run: LanczosResult, eps: torch.Tensor,
-                           filter_steps: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(v_i [B, dx], the Galerkin solution's coordinates in T_i's eigenbasis [B, m]) — ``krylov_resolvent``'s parts."""
+def _filtered_and_galerkin(run: LanczosResult, eps: torch.Tensor, filter_steps: int | None,
+                           with_energy: bool = False):
+    """(v_i [B, dx], the Galerkin solution's coordinates in T_i's eigenbasis [B, m]) — ``krylov_resolvent``'s parts;
+    ``with_energy`` adds v_iᵀK_iv_i = yᵀT_i[:k, :k]y [B] (‖J_iᵀv_i‖², the sample's own noise energy)."""
     basis, m = run.basis, run.basis.shape[1]
     k = m if filter_steps is None else min(filter_steps, m)
     theta = run.ritz_values.clamp_min(0.0)  # K_i is PSD: a negative Ritz value is rounding
     leading = run.coordinates[:, :k, :]  # S_i's first k rows: T_i[:k, :k] = S_i[:k]Θ_iS_i[:k]ᵀ
     start = torch.zeros(basis.shape[0], k, dtype=basis.dtype, device=basis.device)
     start[:, 0] = 1.0
-    y = _shifted_solve(torch.einsum("bij,bj,bkj->bik", leading, theta, leading), eps, start)
+    block = torch.einsum("bij,bj,bkj->bik", leading, theta, leading)
+    y = _shifted_solve(block, eps, start)
     filtered = torch.einsum("bkn,bk->bn", basis[:, :k], y)
     # (T_i+ε_iI)⁻¹T_i[:, :k]y = S_i(Θ_i+ε_iI)⁻¹Θ_iS_i[:k]ᵀy, in S_i's coordinates: its norm is ι_i (S_i orthogonal)
-    return filtered, theta / (theta + eps.unsqueeze(1)) * torch.einsum("bkj,bk->bj", leading, y)
+    galerkin = theta / (theta + eps.unsqueeze(1)) * torch.einsum("bkj,bk->bj", leading, y)
+    if with_energy:
+        return filtered, galerkin, torch.einsum("bi,bij,bj->b", y, block, y)
+    return filtered, galerkin
 
 
 def _shifted_solve(matrix: torch.Tensor, eps: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from flguard.defenses import BASELINES, DefenseContext
 from flguard.defenses.gaussian import isotropic
-from flguard.defenses.resolvent import FILTER_STEPS, NORM_STEPS, resolvent_start
+from flguard.defenses.resolvent import resolvent_start, run_steps
 from flguard.defenses.rowspace import rowspace
 from flguard.guard.config import DEFAULT_FALLBACK, THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard.exclusion import kept_gradient, negligible_samples
@@ -270,10 +270,10 @@ def _left_out_unsolved(op: Jacobian, cfg: GuardConfig) -> torch.Tensor | None:
 
 def _krylov_steps(kind: str, cfg: GuardConfig) -> int:
     """The λmax run's length at least: eigen's ``krylov_steps`` (its subspace to choose from), resolvent's
-    ``FILTER_STEPS`` + ``NORM_STEPS`` (its filter and its scale), else none beyond convergence."""
+    ``run_steps()`` (the prefixes its samples filter on), else none beyond convergence."""
     if kind == "eigen":
         return cfg.krylov_steps
-    return FILTER_STEPS + NORM_STEPS if kind == "resolvent" else 0
+    return run_steps() if kind == "resolvent" else 0
 
 
 def _zeros(op: Jacobian, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

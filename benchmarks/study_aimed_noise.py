@@ -9,9 +9,10 @@ same for all, is not counted, nor is the guard's λmax Lanczos run, 5–7 steps,
 from; eigen's count is its whole run, row-space noise counts its own). Directions: the isotropic Gaussian; eigen (``flguard.defenses.eigen``, Ritz directions
 from ``--krylov-steps`` Lanczos steps); row-space noise (``flguard.defenses.rowspace``: the filtered noise
 summed without a per-sample scale); resolvent noise (``flguard.defenses.resolvent.krylov_resolvent``) with v_i
-on the first k steps of an n-step Lanczos run and ι_i on all n (the shipped FILTER_STEPS and NORM_STEPS are k = 6,
-n = 9; the guard's λmax run, 5–7 steps on a ResNet-20-GN, goes on to n, so the count here is the run's, which the
-guard spends partly for λmax anyway), and ι_i solved to 1%. Samples the guard leaves out unsolved (negligible gradients,
+on the first k steps of an n-step Lanczos run and ι_i on all n (the former fixed filter, ``CHOOSE_FILTER = False``,
+is k = 6, n = 9; the guard's λmax run, 5–7 steps on a ResNet-20-GN, goes on to n, so the count here is the run's, which the
+guard spends partly for λmax anyway), ι_i solved to 1%, and each sample's own k of 1 … n
+(``flguard.defenses.resolvent.chosen_resolvent``, shipped with n = ``RUN_STEPS`` = 6). Samples the guard leaves out unsolved (negligible gradients,
 ``flguard.guard.exclusion``) are left out here too.
 
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python study_aimed_noise.py --model resnet20_gn --batch 8 --batches 3
@@ -26,7 +27,7 @@ import torch
 from bench_guard_models import trained_batches
 from flguard.defenses.base import DefenseContext
 from flguard.defenses.eigen import eigen_direction
-from flguard.defenses.resolvent import carried, krylov_resolvent
+from flguard.defenses.resolvent import carried, chosen_resolvent, krylov_resolvent
 from flguard.defenses.rowspace import rowspace
 from flguard.guard.config import GuardConfig
 from flguard.guard.exclusion import negligible_samples
@@ -101,6 +102,12 @@ def main() -> None:
                 if (filter_steps, steps) == (6, 9):
                     row(f"resolvent, v on 6 steps, ι_i solved to 1%, draw {draw}",
                         *counted(lambda: _resolvent(op, run, eps, filter_steps, solved=True)))
+        for steps in (6, 9):  # the shipped choice (``chosen_resolvent``): each sample's own k of 1 … n
+            for draw in range(args.draws):
+                run = RegularisedK(op).lanczos(rtol=0.0, min_iter=steps, max_iter=steps, seed=1000 * seed + draw)
+                filtered, own, lengths = chosen_resolvent(run, eps)
+                row(f"resolvent, each sample's own k of a {steps}-step run (mean k {float(lengths.mean()):.2f}), "
+                    f"draw {draw}", carried(op, filtered, own), float(steps))
 
 
 def _resolvent(op, run, eps: torch.Tensor, filter_steps: int, solved: bool = False) -> torch.Tensor:

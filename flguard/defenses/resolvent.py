@@ -4,18 +4,18 @@ sample's part scaled to unit I²F on its own sample, carried to the update throu
 δ = Σ_i J_iᵀv_i/ι_i, v_i ≈ (K_i+ε_iI)⁻¹z_i and ι_i ≈ ‖(K_i+ε_iI)⁻¹K_iv_i‖ — the I²F that sample i's own part
 causes on sample i — both taken on the Krylov space of a Lanczos run on K_i started at z_i (z_i ~ N(0, I_dx)
 up to its norm, fresh per sample and step; K_i's Krylov spaces do not depend on the shift ε_i): v_i is CG's
-k_i-th iterate, Q_i(T_i+ε_iI)⁻¹e₁ on the run's first k_i vectors, and ι_i the Galerkin solution's norm on the
-whole run (``krylov_resolvent``). The run is the guard's own λmax run, which goes on to ``RUN_STEPS`` steps at
-least (``DefenseContext.spectrum``; ε_i is read off that very run), so the direction costs no product beyond the
-run's and one summed Jᵀ product for δ; without it the defense runs one of its own.
+``FILTER_STEPS``-th iterate, Q_i(T_i+ε_iI)⁻¹e₁ on the run's first vectors, and ι_i the Galerkin solution's norm on
+``NORM_STEPS`` more (``krylov_resolvent``). The run is the guard's own λmax run, which then goes on to that many
+steps (``DefenseContext.spectrum``; ε_i is read off that very run), so the direction costs the run's extra steps
+and one summed Jᵀ product for δ; without it the defense runs one of its own.
 
-The filter's length k_i is each sample's own (``chosen_resolvent``): of the run's prefixes k = 1 … m, the one
-whose part buys the most own I²F per unit of its own noise, ι_i(k)/‖J_iᵀv_i(k)‖ — both read off the run, since
-‖J_iᵀv‖² = vᵀK_iv = y_kᵀT_i[:k, :k]y_k. Sample i's part carries ‖J_iᵀv_i‖/ι_i of noise for its unit I²F, so that
-ratio is what the sum's norm is made of. Measured (docs/results.md, "Each sample's own filter length"): on
-trained models most samples pick k = 2–3, at the CNN's initialisation every sample picks the run's last step,
-and a 6-step run so aims as well as or better than the former fixed filter on 6 of a 9-step run
-(``CHOOSE_FILTER = False`` restores that, for measurements).
+``CHOOSE_FILTER`` (off; measured, not the default): each sample filters instead on the prefix k_i of a
+``RUN_STEPS``-step run that buys it the most own I²F per unit of its own noise, ι_i(k)/‖J_iᵀv_i(k)‖, read off the
+run (``chosen_resolvent``). On trained models the samples pick k = 2–3 and the least sample's I²F per unit noise
+rose 8–17% (CNN) and 3–13% (ResNet-20-GN) for 3 fewer K products per sample — but the trained CNN's rounds trained
+worse with it (one seed 3 points worse over five runs each, twice past the 5-point clause): the shorter filters leave
+more of the noise along the directions with large θ, which cost training more per unit of norm than the weak ones
+(docs/results.md, "Each sample's own filter length").
 
 Why: along the eigenvector u_j of K_i (eigenvalue θ_j) noise of unit norm moves sample i's best
 reconstruction by the regularised gain √θ_j/(θ_j+ε), largest at θ_j = ε. Eigen finds directions near
@@ -42,19 +42,20 @@ from flguard.risk.clipped import Jacobian
 from flguard.risk.lanczos import LanczosResult
 from flguard.risk.regularised import RegularisedK
 
-#: The Krylov run resolvent noise needs: the guard's λmax run goes on to RUN_STEPS steps at least (a direction
-#: without that run takes a run of its own that long), and each sample filters on the prefix of the run it
-#: chooses (``chosen_resolvent``). Measured (docs/results.md, "Each sample's own filter length").
-RUN_STEPS = 6
-#: True: each sample's filter length chosen from the run (``chosen_resolvent``). False: the former fixed filter —
-#: v_i on the first FILTER_STEPS steps of a run of FILTER_STEPS + NORM_STEPS (docs/results.md, "Resolvent noise
-#: from the λmax run"), kept for measurements; ``run_steps`` reads the flag at call time.
-CHOOSE_FILTER = True
+#: The filter's Krylov steps (v_i: CG's FILTER_STEPS-th iterate) and the further steps that refine ι_i: the
+#: guard's λmax run goes on to FILTER_STEPS + NORM_STEPS steps at least (a direction without that run takes a
+#: run of its own that long); a longer run filters on its first FILTER_STEPS. Measured (docs/results.md,
+#: "Resolvent noise from the λmax run"; ``benchmarks/study_aimed_noise.py``).
 FILTER_STEPS, NORM_STEPS = 6, 3
+#: Opt-in, for measurements: each sample's filter length chosen from a run of RUN_STEPS (``chosen_resolvent``).
+#: Off: it aims better and costs less on trained models but trained the CNN worse (module doc; docs/results.md,
+#: "Each sample's own filter length"). ``run_steps`` reads the flag at call time.
+CHOOSE_FILTER = False
+RUN_STEPS = 6
 
 
 def run_steps() -> int:
-    """The λmax run's least length for resolvent noise under the current ``CHOOSE_FILTER``."""
+    """The λmax run's least length for resolvent noise under the current ``CHOOSE_FILTER``: its filter and its scale."""
     return RUN_STEPS if CHOOSE_FILTER else FILTER_STEPS + NORM_STEPS
 
 

@@ -14,8 +14,8 @@ and one summed Jᵀ product for δ; without it the defense runs one of its own.
 run (``chosen_resolvent``). On trained models the samples pick k = 2–3 and the least sample's I²F per unit noise
 rose 8–17% (CNN) and 3–13% (ResNet-20-GN) for 3 fewer K products per sample — but the trained CNN's rounds trained
 worse with it (one seed 3 points worse over five runs each, twice past the 5-point clause): the shorter filters leave
-more of the noise along the directions with large θ, which cost training more per unit of norm than the weak ones
-(docs/results.md, "Each sample's own filter length").
+more of the noise along the directions with large θ, where the held-out loss curves 1.1–6.3× more per unit of norm
+(``benchmarks/study_noise_curvature.py``; docs/results.md, "Each sample's own filter length").
 
 Why: along the eigenvector u_j of K_i (eigenvalue θ_j) noise of unit norm moves sample i's best
 reconstruction by the regularised gain √θ_j/(θ_j+ε), largest at θ_j = ε. Eigen finds directions near

@@ -270,7 +270,7 @@ def _left_out_unsolved(op: Jacobian, cfg: GuardConfig) -> torch.Tensor | None:
 
 def _krylov_steps(kind: str, cfg: GuardConfig) -> int:
     """The λmax run's length at least: eigen's ``krylov_steps`` (its subspace to choose from), resolvent's
-    ``run_steps()`` (the prefixes its samples filter on), else none beyond convergence."""
+    ``run_steps()`` (its filter and its scale), else none beyond convergence."""
     if kind == "eigen":
         return cfg.krylov_steps
     return run_steps() if kind == "resolvent" else 0

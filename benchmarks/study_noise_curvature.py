@@ -5,8 +5,9 @@ average, H the Hessian of the loss. For the quickstart CNN that ``bench_guard_mo
 ``--batches`` batches of 32 at the median per-sample clip level: the noise the guard sends with resolvent noise,
 δ = (guarded update) − (the clipped sum alone, ``min_rmse=0``), with each sample's filter length fixed (the default)
 and chosen (``flguard.defenses.resolvent.CHOOSE_FILTER``), ``--draws`` seeded draws each; printed
-per batch: ρ(d) = dᵀHd/‖d‖² on 1,000 held-out samples for the batch gradient g, one isotropic draw and the two
-noises (means over the draws), and each noise's ρ·‖δ‖² (the second-order loss it adds, ×2).
+per batch: ρ(d) = dᵀHd/‖d‖² on 1,000 held-out samples for the batch gradient g, one isotropic draw, the two
+noises and the calibrated Gaussian's noise at the same floor (means over the draws; a withheld Gaussian draw is
+skipped), and each noise's ρ·‖δ‖² (the second-order loss it adds, ×2).
 
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python study_noise_curvature.py --seed 2
 """
@@ -62,14 +63,19 @@ def main() -> None:
             model, xb, yb, g).gradient
         row = {"batch": batch, "rho_gradient": curvature(g),
                "rho_isotropic": curvature(torch.randn(theta.numel(), generator=generator))}
-        for name, choose in (("fixed", False), ("chosen", True)):
+        for name, defense, choose in (("fixed", "resolvent", False), ("chosen", "resolvent", True),
+                                      ("gaussian", "gaussian", False)):
             FILTER.CHOOSE_FILTER = choose
             rho, added = [], []
             for draw in range(args.draws):
-                noise = Guard(GuardConfig(**settings, seed=10 + draw)).protect(model, xb, yb, g).gradient - clipped
+                sent = Guard(GuardConfig(**{**settings, "defense": defense}, seed=10 + draw)).protect(model, xb, yb, g)
+                if sent.gradient is None:  # withheld (the Gaussian over its budget): no noise to measure
+                    continue
+                noise = sent.gradient - clipped
                 rho.append(curvature(noise))
                 added.append(rho[-1] * float(noise.norm()) ** 2)
-            row[f"rho_{name}"], row[f"added_{name}"] = sum(rho) / len(rho), sum(added) / len(added)
+            row[f"rho_{name}"] = sum(rho) / len(rho) if rho else float("nan")
+            row[f"added_{name}"] = sum(added) / len(added) if added else float("nan")
         FILTER.CHOOSE_FILTER = False
         rows.append(row)
         print(row, flush=True)

@@ -12,7 +12,7 @@ summed without a per-sample scale); resolvent noise (``flguard.defenses.resolven
 on the first k steps of an n-step Lanczos run and ι_i on all n (the former fixed filter, ``CHOOSE_FILTER = False``,
 is k = 6, n = 9; the guard's λmax run, 5–7 steps on a ResNet-20-GN, goes on to n, so the count here is the run's, which the
 guard spends partly for λmax anyway), ι_i solved to 1%, and each sample's own k of 1 … n
-(``flguard.defenses.resolvent.chosen_resolvent``, shipped with n = ``RUN_STEPS`` = 6). Samples the guard leaves out unsolved (negligible gradients,
+(``flguard.defenses.resolvent.chosen_resolvent``, by the noise's norm or by ‖K_iv_i‖). Samples the guard leaves out unsolved (negligible gradients,
 ``flguard.guard.exclusion``) are left out here too.
 
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python study_aimed_noise.py --model resnet20_gn --batch 8 --batches 3
@@ -102,11 +102,11 @@ def main() -> None:
                 if (filter_steps, steps) == (6, 9):
                     row(f"resolvent, v on 6 steps, ι_i solved to 1%, draw {draw}",
                         *counted(lambda: _resolvent(op, run, eps, filter_steps, solved=True)))
-        for steps in (6, 9):  # the shipped choice (``chosen_resolvent``): each sample's own k of 1 … n
+        for by, steps in (("norm", 6), ("norm", 9), ("kernel", 6)):  # ``chosen_resolvent``: each sample's own k of 1 … n
             for draw in range(args.draws):
                 run = RegularisedK(op).lanczos(rtol=0.0, min_iter=steps, max_iter=steps, seed=1000 * seed + draw)
-                filtered, own, lengths = chosen_resolvent(run, eps)
-                row(f"resolvent, each sample's own k of a {steps}-step run (mean k {float(lengths.mean()):.2f}), "
+                filtered, own, lengths = chosen_resolvent(run, eps, by)
+                row(f"resolvent, each sample's own k of a {steps}-step run by {by} (mean k {float(lengths.mean()):.2f}), "
                     f"draw {draw}", carried(op, filtered, own), float(steps))
 
 

@@ -45,18 +45,20 @@ def _problem(batch: int = 3, seed: int = 0):
 MODULE = importlib.import_module("flguard.defenses.resolvent")  # the package binds the name to the function
 
 
-@pytest.mark.parametrize("choose", [True, False])
+@pytest.mark.parametrize("choose", ["kernel", "norm", False])
 @pytest.mark.parametrize("clipped", [False, True])
 @pytest.mark.parametrize("run", ["own", "guard"])
 def test_the_direction_is_the_krylov_filtered_noise_scaled_to_unit_own_i2f(clipped, run, choose, monkeypatch):
     """Σ_i J_iᵀv_i/ι_i with v_i the Galerkin solution of (K_i+ε_iI)v = z_i on the k_i-dimensional Krylov space of
     K_i from z_i (CG's iterate) and ι_i the norm of the Galerkin solution of (K_i+ε_iI)w = K_iv_i on the whole
     run's Krylov space — written out from the dense float64 blocks (the clipped operator's blocks s_iJ_iP_i with
-    median clipping). ``choose``: k_i the k of 1 … m with the largest ι_i(k)/‖J_iᵀv_i(k)‖, that norm from the dense
-    Jacobian; else k_i = FILTER_STEPS (the former fixed filter). ``own``: the defense's own run of ``run_steps()``
+    median clipping). ``choose``: k_i the k of 1 … m with the largest ι_i(k) over ‖K_iv_i(k)‖ (``FILTER_CHOICE``
+    "kernel") or ‖J_iᵀv_i(k)‖ ("norm"), from the dense blocks; else k_i = FILTER_STEPS (the fixed filter, the default). ``own``: the defense's own run of ``run_steps()``
     steps, z from the guard's stream; ``guard``: a longer λmax run handed over as the guard does
     (``DefenseContext.spectrum``), z its start."""
-    monkeypatch.setattr(MODULE, "CHOOSE_FILTER", choose)
+    monkeypatch.setattr(MODULE, "CHOOSE_FILTER", bool(choose))
+    if choose:
+        monkeypatch.setattr(MODULE, "FILTER_CHOICE", choose)
     model, x, y = _problem()
     op = JacobianOperator(model, x, y)
     jac, _ = dense_jacobians(model, x, y)  # [B, dx, dθ]
@@ -92,7 +94,8 @@ def test_the_direction_is_the_krylov_filtered_noise_scaled_to_unit_own_i2f(clipp
         for k in (range(1, steps + 1) if choose else [FILTER_STEPS]):
             v = _galerkin(shifted, start[i], _krylov_basis(kernel[i], start[i], k))
             iota = _galerkin(shifted, kernel[i] @ v, whole).norm()
-            parts.append((float(iota / (jac[i].T @ v).norm()), k, v, iota))
+            weight = (jac[i].T @ v).norm() if MODULE.FILTER_CHOICE == "norm" else (kernel[i] @ v).norm()
+            parts.append((float(iota / weight), k, v, iota))
         ratios = sorted(part[0] for part in parts)
         assert len(ratios) == 1 or ratios[-1] > 1.001 * ratios[-2]  # a clear choice, so rounding cannot flip it
         _, k, v, iota = max(parts, key=lambda part: part[0])
@@ -105,12 +108,14 @@ def test_the_direction_is_the_krylov_filtered_noise_scaled_to_unit_own_i2f(clipp
     torch.testing.assert_close(got.vector, expected, rtol=1e-6, atol=1e-9 * float(expected.abs().max()))
 
 
-def test_each_sample_filters_on_the_prefix_that_buys_the_most_own_i2f_per_unit_of_its_noise():
+@pytest.mark.parametrize("by", ["norm", "kernel"])
+def test_each_sample_filters_on_the_prefix_that_buys_the_most_own_i2f_per_unit_of_its_noise(by):
     """``chosen_resolvent`` on explicit float64 blocks with three spectra — a few large eigenvalues over many far
     below ε (a trained model's shape), log-uniform over three decades (an initialisation's), one outlier over a
     flat bulk: for every k of the 6-step run the dense reference computes v_i(k) (Galerkin on the k-dimensional
-    Krylov space from z_i), ι_i(k) (Galerkin on the whole run's space) and ‖J_iᵀv_i(k)‖² = v_i(k)ᵀK_iv_i(k) with
-    the dense K_i; each sample's k_i is the argmax of ι_i(k)/‖J_iᵀv_i(k)‖, and the samples choose differently."""
+    Krylov space from z_i), ι_i(k) (Galerkin on the whole run's space) and, with the dense K_i, the noise's weight
+    ‖J_iᵀv_i(k)‖ = (v_iᵀK_iv_i)^½ (``norm``) or ‖K_iv_i(k)‖ (``kernel``, where k = m its part beyond the run counts);
+    each sample's k_i is the argmax of ι_i(k) over that weight, and the samples choose differently."""
     torch.manual_seed(0)
     n, m = 40, 6
     spectra = [torch.cat([torch.tensor([1000.0, 400.0, 150.0]), torch.logspace(-3, 0.5, n - 3)]),
@@ -124,7 +129,7 @@ def test_each_sample_filters_on_the_prefix_that_buys_the_most_own_i2f_per_unit_o
     run = lanczos(lambda u: torch.einsum("bij,bj->bi", kernel, u), 3, n, like=start, rtol=0.0, min_iter=m, max_iter=m,
                   start=start)
     eps = 1e-2 * torch.linalg.eigvalsh(kernel)[:, -1]
-    filtered, own, lengths = chosen_resolvent(run, eps)
+    filtered, own, lengths = chosen_resolvent(run, eps, by)
     for i in range(3):
         shifted = kernel[i] + eps[i] * torch.eye(n, dtype=torch.float64)
         whole = _krylov_basis(kernel[i], start[i], m)
@@ -132,14 +137,15 @@ def test_each_sample_filters_on_the_prefix_that_buys_the_most_own_i2f_per_unit_o
         for k in range(1, m + 1):
             v = _galerkin(shifted, start[i] / start[i].norm(), _krylov_basis(kernel[i], start[i], k))
             iota = _galerkin(shifted, kernel[i] @ v, whole).norm()
-            parts.append((float(iota / (v @ kernel[i] @ v).sqrt()), k, v, iota))
+            weight = (v @ kernel[i] @ v).sqrt() if by == "norm" else (kernel[i] @ v).norm()
+            parts.append((float(iota / weight), k, v, iota))
         ratios = sorted(part[0] for part in parts)
         assert ratios[-1] > 1.001 * ratios[-2]
         _, k, v, iota = max(parts, key=lambda part: part[0])
         assert float(lengths[i]) == k
         torch.testing.assert_close(filtered[i], v, rtol=1e-6, atol=1e-9 * float(v.abs().max()))
         torch.testing.assert_close(own[i], iota, rtol=1e-6, atol=0)
-    assert len(set(lengths.tolist())) == 3, lengths  # 4, 6 and 2 steps here
+    assert lengths.tolist() == ([4.0, 6.0, 2.0] if by == "norm" else [4.0, 6.0, 3.0])  # the samples choose apart
 
 
 def test_own_solution_is_the_galerkin_solve_of_each_samples_own_part():

@@ -52,6 +52,8 @@ FILTER_STEPS, NORM_STEPS = 6, 3
 #: "Each sample's own filter length"). ``run_steps`` reads the flag at call time.
 CHOOSE_FILTER = False
 RUN_STEPS = 6
+#: What the choice weighs the noise by (``chosen_resolvent``'s ``by``).
+FILTER_CHOICE = "kernel"
 
 
 def run_steps() -> int:
@@ -67,7 +69,7 @@ def resolvent(ctx: DefenseContext) -> Direction:
     if run is None or run.basis.shape[1] < min(steps, op.dx):
         run = RegularisedK(op).lanczos(rtol=0.0, min_iter=steps, max_iter=steps, start=resolvent_start(ctx.generator, op))
     if CHOOSE_FILTER:
-        filtered, own, lengths = chosen_resolvent(run, ctx.eps)
+        filtered, own, lengths = chosen_resolvent(run, ctx.eps, FILTER_CHOICE)
     else:
         filtered, own = krylov_resolvent(run, ctx.eps, FILTER_STEPS)
         lengths = torch.full_like(own, float(min(FILTER_STEPS, run.basis.shape[1])))
@@ -110,14 +112,19 @@ def krylov_resolvent(run: LanczosResult, eps: torch.Tensor,
     return filtered, galerkin.norm(dim=1)
 
 
-def chosen_resolvent(run: LanczosResult, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chosen_resolvent(run: LanczosResult, eps: torch.Tensor,
+                     by: str = "kernel") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(v_i [B, dx], ι_i [B], k_i [B]): ``krylov_resolvent``'s pair on the prefix k_i of the run (1 ≤ k_i ≤ m) that
-    maximises ι_i(k)/‖J_iᵀv_i(k)‖, the own I²F per unit of the sample's own noise; ‖J_iᵀv_i(k)‖² = y_kᵀT_i[:k, :k]y_k
-    with v_i(k) = Q_i[:k]y_k. A sample whose every k gives a zero or non-finite ratio keeps k = 1 (its ι_i is then
-    zero or non-finite and ``carried`` drops its part). No product: m small eigenproblems per sample."""
+    maximises ι_i(k)/‖K_i^(p/2)v_i(k)‖, v_i(k) = Q_i[:k]y_k: ``by="norm"`` (p = 1) the own I²F per unit of the
+    sample's own noise, ‖J_iᵀv‖² = y_kᵀT_i[:k, :k]y_k; ``by="kernel"`` (p = 2) per unit of ‖K_iv‖, which weighs the
+    noise along each direction of K_i by its θ_j as well — ‖K_iv‖² = ‖T_i[:, :k]y_k‖² + (β_m·y_k[-1])² where k = m
+    (β_m the run's last off-diagonal, ‖residuals‖). A sample whose every k gives a zero or non-finite ratio keeps
+    k = 1 (its ι_i is then zero or non-finite and ``carried`` drops its part). No product: m small eigenproblems."""
+    if by not in ("norm", "kernel"):
+        raise ValueError(f"by={by!r} must be 'norm' or 'kernel'")
     best = None
     for k in range(1, run.basis.shape[1] + 1):
-        filtered, galerkin, energy = _filtered_and_galerkin(run, eps, k, with_energy=True)
+        filtered, galerkin, energy = _filtered_and_galerkin(run, eps, k, energy=by)
         own = galerkin.norm(dim=1)
         ratio = own / energy.clamp_min(0.0).sqrt()
         ratio = torch.where(torch.isfinite(ratio), ratio, torch.full_like(ratio, -1.0))
@@ -138,9 +145,9 @@ def own_solution(run: LanczosResult, eps: torch.Tensor, filter_steps: int | None
 
 
 def _filtered_and_galerkin(run: LanczosResult, eps: torch.Tensor, filter_steps: int | None,
-                           with_energy: bool = False):
+                           energy: str | None = None):
     """(v_i [B, dx], the Galerkin solution's coordinates in T_i's eigenbasis [B, m]) — ``krylov_resolvent``'s parts;
-    ``with_energy`` adds v_iᵀK_iv_i = yᵀT_i[:k, :k]y [B] (‖J_iᵀv_i‖², the sample's own noise energy)."""
+    ``energy`` adds ‖J_iᵀv_i‖² = yᵀT_i[:k, :k]y ("norm") or ‖K_iv_i‖² ("kernel", ``chosen_resolvent``) [B]."""
     basis, m = run.basis, run.basis.shape[1]
     k = m if filter_steps is None else min(filter_steps, m)
     theta = run.ritz_values.clamp_min(0.0)  # K_i is PSD: a negative Ritz value is rounding
@@ -152,8 +159,12 @@ def _filtered_and_galerkin(run: LanczosResult, eps: torch.Tensor, filter_steps: 
     filtered = torch.einsum("bkn,bk->bn", basis[:, :k], y)
     # (T_i+ε_iI)⁻¹T_i[:, :k]y = S_i(Θ_i+ε_iI)⁻¹Θ_iS_i[:k]ᵀy, in S_i's coordinates: its norm is ι_i (S_i orthogonal)
     galerkin = theta / (theta + eps.unsqueeze(1)) * torch.einsum("bkj,bk->bj", leading, y)
-    if with_energy:
+    if energy == "norm":
         return filtered, galerkin, torch.einsum("bi,bij,bj->b", y, block, y)
+    if energy == "kernel":  # K_iQ_i[:k]y = Q_iT_i[:, :k]y (+ β_m·y[-1]·q_{m+1} where k = m: the Lanczos relation)
+        image = torch.einsum("bij,bj,bkj,bk->bi", run.coordinates, theta, leading, y)
+        outside = run.residuals.norm(dim=1) * y[:, -1] if k == m else torch.zeros_like(y[:, 0])
+        return filtered, galerkin, (image ** 2).sum(dim=1) + outside ** 2
     return filtered, galerkin
 
 

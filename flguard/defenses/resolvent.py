@@ -4,18 +4,18 @@ sample's part scaled to unit I²F on its own sample, carried to the update throu
 δ = Σ_i J_iᵀv_i/ι_i, v_i ≈ (K_i+ε_iI)⁻¹z_i and ι_i ≈ ‖(K_i+ε_iI)⁻¹K_iv_i‖ — the I²F that sample i's own part
 causes on sample i — both taken on the Krylov space of a Lanczos run on K_i started at z_i (z_i ~ N(0, I_dx)
 up to its norm, fresh per sample and step; K_i's Krylov spaces do not depend on the shift ε_i): v_i is CG's
-``FILTER_STEPS``-th iterate, Q_i(T_i+ε_iI)⁻¹e₁ on the run's first vectors, and ι_i the Galerkin solution's norm on
-``NORM_STEPS`` more (``krylov_resolvent``). The run is the guard's own λmax run, which then goes on to that many
-steps (``DefenseContext.spectrum``; ε_i is read off that very run), so the direction costs the run's extra steps
-and one summed Jᵀ product for δ; without it the defense runs one of its own.
+k_i-th iterate, Q_i(T_i+ε_iI)⁻¹e₁ on the run's first k_i vectors, and ι_i the Galerkin solution's norm on the whole
+run (``krylov_resolvent``). The run is the guard's own λmax run, which goes on to ``run_steps()`` steps at least
+(``DefenseContext.spectrum``; ε_i is read off that very run), so the direction costs no product beyond the run's and
+one summed Jᵀ product for δ; without it the defense runs one of its own.
 
-``CHOOSE_FILTER`` (off; measured, not the default): each sample filters instead on the prefix k_i of a
-``RUN_STEPS``-step run that buys it the most own I²F per unit of its own noise, ι_i(k)/‖J_iᵀv_i(k)‖, read off the
-run (``chosen_resolvent``). On trained models the samples pick k = 2–3 and the least sample's I²F per unit noise
-rose 8–17% (CNN) and 3–13% (ResNet-20-GN) for 3 fewer K products per sample — but the trained CNN's rounds trained
-worse with it (one seed 3 points worse over five runs each, twice past the 5-point clause): the shorter filters leave
-more of the noise along the directions with large θ, where the held-out loss curves 1.1–6.3× more per unit of norm
-(``benchmarks/study_noise_curvature.py``; docs/results.md, "Each sample's own filter length").
+Each sample's filter length k_i is its own (``CHOOSE_FILTER``, on a run of ``RUN_STEPS`` = 6): of the run's prefixes,
+the one with the most own I²F per unit of ‖K_iv_i(k)‖ (``chosen_resolvent``, ``FILTER_CHOICE = "kernel"``), read off
+T_i. Weighing the noise by ‖J_iᵀv‖ alone (``"norm"``) aims best per unit of norm but leaves the noise along large-θ
+directions, where the loss curves most: measured, the trained CNN's rounds lost 3 points with it. ‖K_iv‖ weighs each
+direction by θ_j once more; the samples pick k = 4–5 on trained models, the second-order loss the noise adds stays
+level with the former fixed filter (6 of a 9-step run, ``CHOOSE_FILTER = False``), and the rounds train as they did,
+for about a sixth fewer products (docs/results.md, "Each sample's own filter length").
 
 Why: along the eigenvector u_j of K_i (eigenvalue θ_j) noise of unit norm moves sample i's best
 reconstruction by the regularised gain √θ_j/(θ_j+ε), largest at θ_j = ε. Eigen finds directions near
@@ -42,17 +42,16 @@ from flguard.risk.clipped import Jacobian
 from flguard.risk.lanczos import LanczosResult
 from flguard.risk.regularised import RegularisedK
 
-#: The filter's Krylov steps (v_i: CG's FILTER_STEPS-th iterate) and the further steps that refine ι_i: the
-#: guard's λmax run goes on to FILTER_STEPS + NORM_STEPS steps at least (a direction without that run takes a
-#: run of its own that long); a longer run filters on its first FILTER_STEPS. Measured (docs/results.md,
-#: "Resolvent noise from the λmax run"; ``benchmarks/study_aimed_noise.py``).
+#: The fixed filter (``CHOOSE_FILTER = False``, the default until 2026-11-27): v_i on the first FILTER_STEPS steps
+#: (CG's FILTER_STEPS-th iterate) of a run of FILTER_STEPS + NORM_STEPS, the further steps refining ι_i; a longer run
+#: filters on its first FILTER_STEPS. Measured (docs/results.md, "Resolvent noise from the λmax run";
+#: ``benchmarks/study_aimed_noise.py``).
 FILTER_STEPS, NORM_STEPS = 6, 3
-#: Opt-in, for measurements: each sample's filter length chosen from a run of RUN_STEPS (``chosen_resolvent``).
-#: Off: it aims better and costs less on trained models but trained the CNN worse (module doc; docs/results.md,
-#: "Each sample's own filter length"). ``run_steps`` reads the flag at call time.
-CHOOSE_FILTER = False
+#: Each sample's filter length chosen from a run of at least RUN_STEPS (``chosen_resolvent``), weighing the noise by
+#: FILTER_CHOICE: "kernel" (‖K_iv‖, the default) or "norm" (‖J_iᵀv‖, measured and not kept: it trained the CNN worse).
+#: ``run_steps`` reads CHOOSE_FILTER at call time. Measured: docs/results.md, "Each sample's own filter length".
+CHOOSE_FILTER = True
 RUN_STEPS = 6
-#: What the choice weighs the noise by (``chosen_resolvent``'s ``by``).
 FILTER_CHOICE = "kernel"
 
 

@@ -3,9 +3,10 @@
 A step's noise δ changes the loss by about gᵀδ (zero mean) + ½δᵀHδ: the second-order term is what training pays on
 average, H the Hessian of the loss. For the quickstart CNN that ``bench_guard_models.py`` trains (``--seed``), on
 ``--batches`` batches of 32 at the median per-sample clip level: the noise the guard sends with resolvent noise,
-δ = (guarded update) − (the clipped sum alone, ``min_rmse=0``), with each sample's filter length fixed (the default)
-and chosen (``flguard.defenses.resolvent.CHOOSE_FILTER``), ``--draws`` seeded draws each; printed
-per batch: ρ(d) = dᵀHd/‖d‖² on 1,000 held-out samples for the batch gradient g, one isotropic draw, the two
+δ = (guarded update) − (the clipped sum alone, ``min_rmse=0``), with the fixed filter (6 of a 9-step run) and each
+sample's own filter length chosen by the noise's norm and by ‖K_iv_i‖ (the default;
+``flguard.defenses.resolvent.CHOOSE_FILTER``, ``FILTER_CHOICE``), ``--draws`` seeded draws each; printed
+per batch: ρ(d) = dᵀHd/‖d‖² on 1,000 held-out samples for the batch gradient g, one isotropic draw, the three
 noises and the calibrated Gaussian's noise at the same floor (means over the draws; a withheld Gaussian draw is
 skipped), and each noise's ρ·‖δ‖² (the second-order loss it adds, ×2).
 
@@ -54,6 +55,7 @@ def main() -> None:
 
     settings = dict(pixel_mean=data.mean, pixel_std=data.std, clip_per_sample="median", defense="resolvent")
     generator = torch.Generator().manual_seed(7)
+    default = FILTER.CHOOSE_FILTER, FILTER.FILTER_CHOICE
     rows = []
     for batch in range(args.batches):
         index = torch.randperm(len(y), generator=generator)[:32]
@@ -63,9 +65,10 @@ def main() -> None:
             model, xb, yb, g).gradient
         row = {"batch": batch, "rho_gradient": curvature(g),
                "rho_isotropic": curvature(torch.randn(theta.numel(), generator=generator))}
-        for name, defense, choose in (("fixed", "resolvent", False), ("chosen", "resolvent", True),
-                                      ("gaussian", "gaussian", False)):
-            FILTER.CHOOSE_FILTER = choose
+        for name, defense, choose in (("fixed", "resolvent", False), ("norm", "resolvent", "norm"),
+                                      ("kernel", "resolvent", "kernel"), ("gaussian", "gaussian", False)):
+            FILTER.CHOOSE_FILTER = bool(choose)
+            FILTER.FILTER_CHOICE = choose or "kernel"
             rho, added = [], []
             for draw in range(args.draws):
                 sent = Guard(GuardConfig(**{**settings, "defense": defense}, seed=10 + draw)).protect(model, xb, yb, g)
@@ -76,7 +79,7 @@ def main() -> None:
                 added.append(rho[-1] * float(noise.norm()) ** 2)
             row[f"rho_{name}"] = sum(rho) / len(rho) if rho else float("nan")
             row[f"added_{name}"] = sum(added) / len(added) if added else float("nan")
-        FILTER.CHOOSE_FILTER = False
+        FILTER.CHOOSE_FILTER, FILTER.FILTER_CHOICE = default
         rows.append(row)
         print(row, flush=True)
     print(write_table(rows, study_paths(f"study_noise_curvature_seed{args.seed}")[1]))

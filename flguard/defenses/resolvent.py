@@ -15,7 +15,8 @@ T_i. Weighing the noise by ‖J_iᵀv‖ alone (``"norm"``) aims best per unit o
 directions, where the loss curves most: measured, the trained CNN's rounds lost 3 points with it. ‖K_iv‖ weighs each
 direction by θ_j once more; the samples pick k = 4–5 on trained models, the second-order loss the noise adds stays
 level with the former fixed filter (6 of a 9-step run, ``CHOOSE_FILTER = False``), and the rounds train as they did,
-for about a sixth fewer products (docs/results.md, "Each sample's own filter length").
+for a fifth fewer products in the trained CNN's rounds, 8–16% on trained ResNets (docs/results.md, "Each
+sample's own filter length").
 
 Why: along the eigenvector u_j of K_i (eigenvalue θ_j) noise of unit norm moves sample i's best
 reconstruction by the regularised gain √θ_j/(θ_j+ε), largest at θ_j = ε. Eigen finds directions near

@@ -3,14 +3,14 @@ blocks."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
 
 from flguard import Guard
 from flguard.defenses.base import DefenseContext
-import importlib
-
 from flguard.defenses.resolvent import (FILTER_STEPS, NORM_STEPS, chosen_resolvent, krylov_resolvent, own_solution, resolvent,
                                         run_steps)
 from flguard.guard.config import GuardConfig
@@ -53,8 +53,8 @@ def test_the_direction_is_the_krylov_filtered_noise_scaled_to_unit_own_i2f(clipp
     K_i from z_i (CG's iterate) and ι_i the norm of the Galerkin solution of (K_i+ε_iI)w = K_iv_i on the whole
     run's Krylov space — written out from the dense float64 blocks (the clipped operator's blocks s_iJ_iP_i with
     median clipping). ``choose``: k_i the k of 1 … m with the largest ι_i(k) over ‖K_iv_i(k)‖ (``FILTER_CHOICE``
-    "kernel") or ‖J_iᵀv_i(k)‖ ("norm"), from the dense blocks; else k_i = FILTER_STEPS (the fixed filter, the default). ``own``: the defense's own run of ``run_steps()``
-    steps, z from the guard's stream; ``guard``: a longer λmax run handed over as the guard does
+    "kernel", the default) or ‖J_iᵀv_i(k)‖ ("norm"), from the dense blocks; else k_i = FILTER_STEPS (the fixed
+    filter). ``own``: the defense's own run of ``run_steps()`` steps, z from the guard's stream; ``guard``: a longer λmax run handed over as the guard does
     (``DefenseContext.spectrum``), z its start."""
     monkeypatch.setattr(MODULE, "CHOOSE_FILTER", bool(choose))
     if choose:
@@ -90,7 +90,7 @@ def test_the_direction_is_the_krylov_filtered_noise_scaled_to_unit_own_i2f(clipp
     for i in range(3):
         shifted = kernel[i] + eps[i] * torch.eye(op.dx, dtype=torch.float64)
         whole = _krylov_basis(kernel[i], start[i], steps)
-        parts = []  # (ι_i(k) / ‖J_iᵀv_i(k)‖, k, v_i(k), ι_i(k))
+        parts = []  # (ι_i(k) / its noise's weight, k, v_i(k), ι_i(k))
         for k in (range(1, steps + 1) if choose else [FILTER_STEPS]):
             v = _galerkin(shifted, start[i], _krylov_basis(kernel[i], start[i], k))
             iota = _galerkin(shifted, kernel[i] @ v, whole).norm()

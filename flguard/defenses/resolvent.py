@@ -112,8 +112,7 @@ def krylov_resolvent(run: LanczosResult, eps: torch.Tensor,
     return filtered, galerkin.norm(dim=1)
 
 
-def chosen_resolvent(run: LanczosResult, eps: torch.Tensor,
-                     by: str = "kernel") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chosen_resolvent(run: LanczosResult, eps: torch.Tensor, by: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(v_i [B, dx], ι_i [B], k_i [B]): ``krylov_resolvent``'s pair on the prefix k_i of the run (1 ≤ k_i ≤ m) that
     maximises ι_i(k)/‖K_i^(p/2)v_i(k)‖, v_i(k) = Q_i[:k]y_k: ``by="norm"`` (p = 1) the own I²F per unit of the
     sample's own noise, ‖J_iᵀv‖² = y_kᵀT_i[:k, :k]y_k; ``by="kernel"`` (p = 2) per unit of ‖K_iv‖, which weighs the

@@ -64,11 +64,7 @@ def main() -> None:
     _count_products()
     print("| batch | direction | least ‖shift‖ per unit noise | median | K products / sample |\n|---|---|---|---|---|")
     for seed, x, y, _ in batches:
-        base = JacobianOperator(model, x, y)
-        op = ClippedJacobian(base, float(base.per_sample_gradients().norm(dim=1).median()))
-        free = negligible_samples(op)
-        if bool(free.any()) and not bool(free.all()):
-            op = op.restricted((~free).nonzero().squeeze(1))
+        op = median_clipped(model, x, y)
         batch = op.batch_size
         spectrum = RegularisedK(op).lanczos(rtol=0.03, ends="max", min_iter=args.krylov_steps,
                                             max_iter=args.krylov_steps, return_vectors=True, seed=seed)
@@ -108,6 +104,15 @@ def main() -> None:
                 filtered, own, lengths = chosen_resolvent(run, eps, by)
                 row(f"resolvent, each sample's own k of a {steps}-step run by {by} (mean k {float(lengths.mean()):.2f}), "
                     f"draw {draw}", carried(op, filtered, own), float(steps))
+
+
+def median_clipped(model, x: torch.Tensor, y: torch.Tensor) -> ClippedJacobian:
+    """The batch's operator clipped at its median per-sample norm, without the samples the guard leaves out unsolved
+    (negligible gradients) unless that is all of them."""
+    base = JacobianOperator(model, x, y)
+    op = ClippedJacobian(base, float(base.per_sample_gradients().norm(dim=1).median()))
+    free = negligible_samples(op)
+    return op.restricted((~free).nonzero().squeeze(1)) if bool(free.any()) and not bool(free.all()) else op
 
 
 def _resolvent(op, run, eps: torch.Tensor, filter_steps: int, solved: bool = False) -> torch.Tensor:

@@ -21,11 +21,9 @@ import torch
 
 from bench_guard_models import trained_batches
 from flguard.defenses.resolvent import carried, chosen_resolvent
-from flguard.guard.exclusion import negligible_samples
 from flguard.risk.assess import i2f_solve
-from flguard.risk.clipped import ClippedJacobian
-from flguard.risk.operator import JacobianOperator
 from flguard.risk.regularised import RegularisedK
+from study_aimed_noise import median_clipped
 
 
 def by_tensor(z: torch.Tensor, profile: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -40,11 +38,7 @@ def main() -> None:
     previous = None
     print("| batch | direction | least ‖shift‖ per unit noise | median |\n|---|---|---|---|")
     for seed, x, y, _ in batches:
-        base = JacobianOperator(model, x, y)
-        op = ClippedJacobian(base, float(base.per_sample_gradients().norm(dim=1).median()))
-        free = negligible_samples(op)
-        if bool(free.any()) and not bool(free.all()):
-            op = op.restricted((~free).nonzero().squeeze(1))
+        op = median_clipped(model, x, y)
         run = RegularisedK(op).lanczos(rtol=0.0, min_iter=6, max_iter=6, seed=1000 * seed)
         eps = 1e-2 * run.lambda_max
 

@@ -68,6 +68,10 @@ def test_clipped_products_match_the_dense_jacobian_of_the_clipped_upload(product
     before = op.applications
     torch.testing.assert_close(op.kmv(u), torch.einsum("bxp,byp,bky->bkx", jac, jac, u))
     assert op.applications - before == 4  # two applications of k = 2 vectors
+    one_u, one_v = u[:, :1], v[:, :1]  # one vector per sample: the projection's batched dot products (k > 1: GEMMs)
+    torch.testing.assert_close(op.kmv(one_u), torch.einsum("bxp,byp,bky->bkx", jac, jac, one_u))
+    torch.testing.assert_close(op.jt(one_u), torch.einsum("bxp,bkx->bkp", jac, one_u))
+    torch.testing.assert_close(op.j(one_v), torch.einsum("bxp,bkp->bkx", jac, one_v))
     rows = torch.tensor([0, 2])  # a restricted operator (the solvers' shrinking) reads its rows of the same J̄
     sub = op.restricted(rows)
     torch.testing.assert_close(sub.kmv(u[rows]), torch.einsum("bxp,byp,bky->bkx", jac[rows], jac[rows], u[rows]))

@@ -51,8 +51,13 @@ class ClippedJacobian:
         by s_i^power). One fused w − (wĝ)ĝᵀ and an in-place scale: these are memory-bound passes over
         B·k·dθ floats, a fifth of the clipped guard's time when written as separate temporaries."""
         per = self.per if self.rows is None else self.per[self.rows]
-        along = torch.bmm(w, per.unsqueeze(2)) * self.inverse_norm.square().view(-1, 1, 1)  # [B, k, 1]
-        out = torch.baddbmm(w, along, per.unsqueeze(1), alpha=-1)
+        if w.shape[1] == 1:  # one vector per sample (the solvers' products): batched dot products beat a GEMV per
+            # sample 2.5–3× on one CPU thread (B = 32 × 44 k and B = 8 × 272 k floats); for k > 1 the GEMMs win
+            along = torch.linalg.vecdot(w, per.unsqueeze(1)).unsqueeze(2)
+            out = torch.addcmul(w, along * self.inverse_norm.square().view(-1, 1, 1), per.unsqueeze(1), value=-1)
+        else:
+            along = torch.bmm(w, per.unsqueeze(2)) * self.inverse_norm.square().view(-1, 1, 1)  # [B, k, 1]
+            out = torch.baddbmm(w, along, per.unsqueeze(1), alpha=-1)
         return out.mul_(self.factor.pow(power).view(-1, 1, 1))
 
     def _projection(self, power: int) -> tuple:

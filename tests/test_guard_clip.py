@@ -16,6 +16,7 @@ from torch.func import functional_call, grad
 from risk_reference import tiny_conv_problem
 
 from flguard import Guard, GuardConfig
+from flguard.risk import clipped
 from flguard.risk.clipped import ClippedJacobian
 from flguard.risk.operator import JacobianOperator
 
@@ -50,10 +51,13 @@ def _median_norm(model, x, y) -> float:
     return float(JacobianOperator(model, x, y).per_sample_gradients().norm(dim=1).median())
 
 
-@pytest.mark.parametrize("products", ["cached", "direct"])
-def test_clipped_products_match_the_dense_jacobian_of_the_clipped_upload(products):
+@pytest.mark.parametrize("products, dot_up_to", [("cached", clipped.DOT_PROJECTION_UP_TO), ("cached", 0),
+                                                  ("direct", clipped.DOT_PROJECTION_UP_TO)])
+def test_clipped_products_match_the_dense_jacobian_of_the_clipped_upload(products, dot_up_to, monkeypatch):
     """Both product paths; on the direct one ``kmv`` is fused per sample (J_i P_i² J_iᵀu_i without the
-    batch's [B, k, dθ]), and must equal J̄J̄ᵀ of the dense Jacobian all the same."""
+    batch's [B, k, dθ]), and must equal J̄J̄ᵀ of the dense Jacobian all the same. On the cached path the
+    projection of one vector per sample takes dot products or, above ``DOT_PROJECTION_UP_TO`` floats, a GEMV."""
+    monkeypatch.setattr(clipped, "DOT_PROJECTION_UP_TO", dot_up_to)
     model, x, y = _problem()
     clip = _median_norm(model, x, y)  # some samples clipped, some not
     op = ClippedJacobian(JacobianOperator(model, x, y, products=products), clip)

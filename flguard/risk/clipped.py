@@ -12,6 +12,15 @@ import torch
 from flguard.risk.operator import JacobianOperator
 
 
+#: ``ClippedJacobian._project`` with one vector per sample computes ⟨w_i, g_i⟩ as batched dot products (``vecdot``)
+#: up to this many floats in w, and as a batched GEMV (``bmm``) above: the dot products ran 2.6–3.5× faster on one CPU
+#: thread (B = 32 × 44 k and B = 8 × 272 k floats; the clipped K product on the trained CNN 7–11% faster,
+#: ``benchmarks/bench_clip_projection.py``) but hold a temporary the size of w, which the GEMV does not (1.4 GB for a
+#: ResNet-18's cached products at B = 32 on a GPU); the update w − a_i g_i is an ``addcmul`` either way (1.5× a
+#: ``baddbmm``'s speed, no temporary). For k > 1 vectors per sample the GEMMs are the faster form.
+DOT_PROJECTION_UP_TO = 2 ** 24
+
+
 class ClippedJacobian:
     """The blocks of the per-sample-clipped upload U(X) = c Σ_i clip_C(g_i(x_i)), clip_C(g) = g·min(1, C/‖g‖).
 
@@ -51,9 +60,9 @@ class ClippedJacobian:
         by s_i^power). One fused w − (wĝ)ĝᵀ and an in-place scale: these are memory-bound passes over
         B·k·dθ floats, a fifth of the clipped guard's time when written as separate temporaries."""
         per = self.per if self.rows is None else self.per[self.rows]
-        if w.shape[1] == 1:  # one vector per sample (the solvers' products): batched dot products beat a GEMV per
-            # sample 2.5–3× on one CPU thread (B = 32 × 44 k and B = 8 × 272 k floats); for k > 1 the GEMMs win
-            along = torch.linalg.vecdot(w, per.unsqueeze(1)).unsqueeze(2)
+        if w.shape[1] == 1:  # one vector per sample (the solvers' products): DOT_PROJECTION_UP_TO
+            along = (torch.linalg.vecdot(w, per.unsqueeze(1)).unsqueeze(2) if w.numel() <= DOT_PROJECTION_UP_TO
+                     else torch.bmm(w, per.unsqueeze(2)))
             out = torch.addcmul(w, along * self.inverse_norm.square().view(-1, 1, 1), per.unsqueeze(1), value=-1)
         else:
             along = torch.bmm(w, per.unsqueeze(2)) * self.inverse_norm.square().view(-1, 1, 1)  # [B, k, 1]

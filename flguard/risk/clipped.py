@@ -60,13 +60,12 @@ class ClippedJacobian:
         by s_i^power). One fused w − (wĝ)ĝᵀ and an in-place scale: these are memory-bound passes over
         B·k·dθ floats, a fifth of the clipped guard's time when written as separate temporaries."""
         per = self.per if self.rows is None else self.per[self.rows]
-        if w.shape[1] == 1:  # one vector per sample (the solvers' products): DOT_PROJECTION_UP_TO
-            along = (torch.linalg.vecdot(w, per.unsqueeze(1)).unsqueeze(2) if w.numel() <= DOT_PROJECTION_UP_TO
-                     else torch.bmm(w, per.unsqueeze(2)))
-            out = torch.addcmul(w, along * self.inverse_norm.square().view(-1, 1, 1), per.unsqueeze(1), value=-1)
-        else:
-            along = torch.bmm(w, per.unsqueeze(2)) * self.inverse_norm.square().view(-1, 1, 1)  # [B, k, 1]
-            out = torch.baddbmm(w, along, per.unsqueeze(1), alpha=-1)
+        one = w.shape[1] == 1  # one vector per sample (the solvers' products): DOT_PROJECTION_UP_TO
+        dot = (torch.linalg.vecdot(w, per.unsqueeze(1)).unsqueeze(2) if one and w.numel() <= DOT_PROJECTION_UP_TO
+               else torch.bmm(w, per.unsqueeze(2)))
+        along = dot * self.inverse_norm.square().view(-1, 1, 1)  # [B, k, 1]
+        out = (torch.addcmul(w, along, per.unsqueeze(1), value=-1) if one
+               else torch.baddbmm(w, along, per.unsqueeze(1), alpha=-1))
         return out.mul_(self.factor.pow(power).view(-1, 1, 1))
 
     def _projection(self, power: int) -> tuple:

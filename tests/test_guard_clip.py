@@ -52,16 +52,20 @@ def _median_norm(model, x, y) -> float:
 
 
 @pytest.mark.parametrize("products, dot_up_to", [("cached", clipped.DOT_PROJECTION_UP_TO), ("cached", 0),
-                                                  ("direct", clipped.DOT_PROJECTION_UP_TO)])
+                                                  ("direct", clipped.DOT_PROJECTION_UP_TO),
+                                                  ("direct-1", clipped.DOT_PROJECTION_UP_TO)])
 def test_clipped_products_match_the_dense_jacobian_of_the_clipped_upload(products, dot_up_to, monkeypatch):
     """Both product paths; on the direct one ``kmv`` is fused per sample (J_i P_i² J_iᵀu_i without the
-    batch's [B, k, dθ]), and must equal J̄J̄ᵀ of the dense Jacobian all the same. On the cached path the
+    batch's [B, k, dθ]), and must equal J̄J̄ᵀ of the dense Jacobian all the same — vmapped, or one sample at a
+    time with plain autograd ("direct-1", the projection then on one tensor per parameter). On the cached path the
     projection of one vector per sample takes dot products or, above ``DOT_PROJECTION_UP_TO`` floats, a GEMV."""
     monkeypatch.setattr(clipped, "DOT_PROJECTION_UP_TO", dot_up_to)
     model, x, y = _problem()
     clip = _median_norm(model, x, y)  # some samples clipped, some not
-    op = ClippedJacobian(JacobianOperator(model, x, y, products=products), clip)
-    assert op.op.direct == (products == "direct")
+    op = ClippedJacobian(JacobianOperator(model, x, y, products=products.split("-")[0]), clip)
+    if products == "direct-1":
+        op.op.sample_chunk = 1
+    assert op.op.direct == products.startswith("direct") and op.op.one_at_a_time == (products == "direct-1")
     assert bool((op.factor < 1).any()) and bool((op.factor == 1).any())
     jac, upload = _dense(model, x, y, clip)
     torch.testing.assert_close(op.gradient, upload)
@@ -80,7 +84,8 @@ def test_clipped_products_match_the_dense_jacobian_of_the_clipped_upload(product
     sub = op.restricted(rows)
     torch.testing.assert_close(sub.kmv(u[rows]), torch.einsum("bxp,byp,bky->bkx", jac[rows], jac[rows], u[rows]))
     torch.testing.assert_close(sub.j(v[rows]), torch.einsum("bxp,bkp->bkx", jac[rows], v[rows]))
-    plain = JacobianOperator(model, x, y, products=products)  # no clipping: the mean gradient's Jacobian
+    plain = JacobianOperator(model, x, y, products=products.split("-")[0])  # no clipping: the mean gradient's
+    plain.sample_chunk = op.op.sample_chunk
     jac_plain, _ = _dense(model, x, y, 1e30)
     torch.testing.assert_close(plain.kmv(u), torch.einsum("bxp,byp,bky->bkx", jac_plain, jac_plain, u))
 

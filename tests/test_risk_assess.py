@@ -152,17 +152,19 @@ def test_gaussian_closed_form_matches_monte_carlo():
     torch.testing.assert_close(rep.i2f, dense, rtol=1e-2, atol=0)
 
 
-@pytest.mark.parametrize("name,coupled,products", [("conv", False, "cached"), ("conv", False, "direct"),
-                                                   ("conv", True, "auto"), ("batchnorm-train", True, "auto")])
-def test_operator_products_equal_dense_jacobian_products(name, coupled, products):
+@pytest.mark.parametrize("name,coupled,products,chunk", [("conv", False, "cached", 2), ("conv", False, "direct", 2),
+                                                         ("conv", False, "direct", 1), ("conv", True, "auto", 2),
+                                                         ("batchnorm-train", True, "auto", 2)])
+def test_operator_products_equal_dense_jacobian_products(name, coupled, products, chunk):
     """J_iᵀu and J_i v with several vectors per sample, called repeatedly (the cached path reuses one
-    pullback; the direct path, for large B·dθ, recomputes per sample in chunks), against the dense
-    autograd Jacobian."""
+    pullback; the direct path, for large B·dθ, recomputes per sample in vmapped chunks, or one sample at
+    a time with plain autograd), against the dense autograd Jacobian."""
     model, x, y = _problem(name, 3)
     jac, _ = dense_jacobians(model, x, y)
     op = JacobianOperator(model, x, y, coupled=coupled, products=products)
     assert op.coupled == coupled and op.direct == (products == "direct")
-    op.sample_chunk = 2  # two chunks of samples (1 + 2 would hide a chunk boundary bug in one call)
+    op.sample_chunk = chunk  # two chunks of samples (1 + 2 would hide a chunk boundary bug in one call)
+    assert op.one_at_a_time == (products == "direct" and chunk == 1)
     for _ in range(2):
         u = torch.randn(3, 4, op.dx, dtype=x.dtype)
         v = torch.randn(3, 2, op.dtheta, dtype=x.dtype)
@@ -172,12 +174,16 @@ def test_operator_products_equal_dense_jacobian_products(name, coupled, products
 
 
 @pytest.mark.parametrize("after_a_product", [False, True])
-@pytest.mark.parametrize("products", ["cached", "direct"])
+@pytest.mark.parametrize("products", ["cached", "direct", "direct-1"])
 def test_per_sample_gradients_match_one_backward_per_sample(after_a_product, products):
-    """The cached path reads them off the J pullback's primal output, the direct one vmaps them: equal
-    to a loop of autograd calls on each sample's own loss, whether or not a J product came first."""
+    """The cached path reads them off the J pullback's primal output, the direct one vmaps them (or takes
+    them one sample at a time): equal to a loop of autograd calls on each sample's own loss, whether or
+    not a J product came first."""
     model, x, y = _problem("conv", 3)
-    op = JacobianOperator(model, x, y, products=products)
+    op = JacobianOperator(model, x, y, products=products.split("-")[0])
+    if products == "direct-1":
+        op.sample_chunk = 1
+        assert op.one_at_a_time
     if after_a_product:
         op.j(torch.randn(3, 1, op.dtheta, dtype=x.dtype))
     params = [p for p in model.parameters()]

@@ -31,19 +31,20 @@ def _resnet_jacobians() -> torch.Tensor:
     return dense_jacobians(*_resnet_batch())[0]
 
 
-@pytest.mark.parametrize("products", ["cached", "direct"])
-def test_jt_sum_is_the_sum_of_the_dense_transposed_blocks(products, monkeypatch):
+@pytest.mark.parametrize("products,chunk", [("cached", None), ("direct", 2), ("direct", 1)])
+def test_jt_sum_is_the_sum_of_the_dense_transposed_blocks(products, chunk, monkeypatch):
     """Σ_i J_iᵀu_i from reverse-over-reverse passes equals the dense blocks' Σ_i J_i[dx, dθ]ᵀu_i on a
     channels-last GroupNorm ResNet, and the per-sample ``jt`` rows summed; one application charged. On
-    the direct path the passes run two samples at a time (as a ResNet-18's run one)."""
+    the direct path the passes run two samples at a time, or one at a time with plain autograd (as a
+    ResNet-18's on the CPU)."""
     from flguard.risk import sizing
 
     model, x, y = _resnet_batch()
     if products == "direct":
-        monkeypatch.setattr(sizing, "DIRECT_CHUNK_FLOATS", 2 * sum(p.numel() for p in model.parameters()))
+        monkeypatch.setattr(sizing, "DIRECT_CHUNK_FLOATS", chunk * sum(p.numel() for p in model.parameters()))
     op = JacobianOperator(model, x, y, products=products)
     if products == "direct":
-        assert op.direct and op.sample_chunk == 2
+        assert op.direct and op.sample_chunk == chunk and op.one_at_a_time == (chunk == 1)
     u = torch.randn(4, op.dx, dtype=torch.float64)
     jac = _resnet_jacobians()
     expected = torch.einsum("bap,ba->p", jac, u)

@@ -114,11 +114,16 @@ class ClippedJacobian:
         return sub
 
 
-def _clip_projection(w: torch.Tensor, g: torch.Tensor, inverse_norm_sq: torch.Tensor,
-                     scale: torch.Tensor) -> torch.Tensor:
+def _clip_projection(w: torch.Tensor | list[torch.Tensor], g: torch.Tensor, inverse_norm_sq: torch.Tensor,
+                     scale: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
     """One sample's scale·(I − ĝĝᵀ)w with ĝ = g/‖g‖ (inverse_norm_sq = 1/‖g‖², 0 for an unclipped
-    sample): the clipping's P_i with scale s_i, or P_i² with s_i²."""
-    return scale * (w - (inverse_norm_sq * torch.dot(w, g)) * g)
+    sample): the clipping's P_i with scale s_i, or P_i² with s_i². ``w`` flat [dθ], or one tensor per
+    parameter in order (the operator's products one sample at a time), answered in the same form."""
+    if isinstance(w, torch.Tensor):
+        return scale * (w - (inverse_norm_sq * torch.dot(w, g)) * g)
+    pieces = g.split([t.numel() for t in w])
+    along = inverse_norm_sq * sum(torch.dot(t.reshape(-1), p) for t, p in zip(w, pieces))
+    return [torch.addcmul(t, along, p.view_as(t), value=-1).mul_(scale) for t, p in zip(w, pieces)]
 
 
 #: Either operator (plain or per-sample-clipped upload): what the guard, the defenses and

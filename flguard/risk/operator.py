@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from flguard.risk import sizing
 from flguard.risk.limits import ProductLimit, ProductLimitReached  # noqa: F401  (re-exported: the operator charges them)
 from flguard.risk.precision import on_exact_float32
+from flguard.risk.sample_autograd import SampleAutograd, flatten_into
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -144,6 +145,7 @@ class JacobianOperator:
         self.direct = not self.coupled and (products == "direct" or (
             products == "auto" and not sizing.takes_cached(self.dtheta, self.batch_size, self.device, self.x.element_size())))
         self.sample_chunk = sizing.direct_sample_chunk(self.dtheta, self.batch_size, self.device, self.x.element_size())
+        self._autograd = SampleAutograd(self._forward, self.loss_fn, self.params)
 
     # -- building blocks -------------------------------------------------------------------
     @property
@@ -172,6 +174,12 @@ class JacobianOperator:
             return self.loss_fn(self._forward(params, inputs), self.y)
         return self._flat(grad(batch_loss)(self.params))
 
+    @property
+    def one_at_a_time(self) -> bool:
+        """Whether the direct path multiplies one sample at a time (a chunk of one sample: a ResNet-18 on the CPU),
+        with plain autograd instead of ``vmap`` (``flguard.risk.sample_autograd``: a fifth less time there)."""
+        return self.direct and self.sample_chunk == 1
+
     def _vmap(self, fn: Callable, in_dims=0) -> Callable:
         return vmap(fn, in_dims=in_dims, chunk_size=self.chunk_size)
 
@@ -182,7 +190,7 @@ class JacobianOperator:
         batch, k = self._check(u, self.dx)
         self._charge(batch, k)
         with batchnorm_without_running_stats(self.model):
-            direct = lambda: self.scale * self._per_sample_products(self._jt_one, u)  # noqa: E731
+            direct = lambda: self._per_sample_products(self._jt_one, u).mul_(self.scale)  # noqa: E731
             if self.direct:
                 return direct()
             if not self.coupled:
@@ -234,6 +242,13 @@ class JacobianOperator:
 
         if self.coupled:
             return in_chunks(self.batch_size)
+        if self.one_at_a_time:
+            with batchnorm_without_running_stats(self.model):
+                total = torch.zeros(self.dtheta, dtype=self.dtype, device=self.device)
+                for xi, yi, di in zip(self.x, self.y, direction):
+                    for part, t in zip(total.split(self._autograd.sizes), self._autograd.jt(xi, yi, di)):
+                        part.add_(t.reshape(-1))
+                return total.mul_(self.scale)
         if self.direct:
             return in_chunks(self.sample_chunk)
         return self._cached_or_direct(lambda: in_chunks(self.batch_size), lambda: in_chunks(self.sample_chunk))
@@ -258,7 +273,7 @@ class JacobianOperator:
         """J_i v_i for every sample: v [B, k, dθ] → [B, k, dx]."""
         batch, k = self._check(v, self.dtheta)
         self._charge(batch, k)
-        direct = lambda: self.scale * self._per_sample_products(self._j_one, v)  # noqa: E731
+        direct = lambda: self._per_sample_products(self._j_one, v).mul_(self.scale)  # noqa: E731
         if self.direct:
             return direct()
         if not self.coupled:
@@ -282,7 +297,11 @@ class JacobianOperator:
         """Unscaled J̃_iᵀu [dθ] of one sample, reverse-over-reverse: ∇_θ ⟨∇_x ℓ(x_i), u⟩ — the derivative of
         ∇_θ ℓ(x_i + t·u) at t = 0, by the symmetry of ℓ's mixed second derivatives. Measured against
         forward-over-reverse (one CPU thread, × a training step): quickstart CNN B = 32 3.7× vs 6.1×,
-        ResNet-20-GN B = 8 4.8× vs 5.4×, ResNet-18-GN B = 8 7.4× vs 9.6× (``j``: 3.7×, 4.8×, 3.5×)."""
+        ResNet-20-GN B = 8 4.8× vs 5.4×, ResNet-18-GN B = 8 7.4× vs 9.6× (``j``: 3.7×, 4.8×, 3.5×).
+        One sample at a time (``one_at_a_time``) the same product with plain autograd, one tensor per parameter
+        (the K product hands them to ``_j_one`` as they are; ``_per_sample_products`` flattens them into its result)."""
+        if self.one_at_a_time:
+            return self._autograd.jt(xi, yi, ui)
         direction = ui.reshape(xi.shape)
 
         def input_dot(params: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -291,7 +310,10 @@ class JacobianOperator:
         return self._flat(grad(input_dot)(self.params))
 
     def _j_one(self, xi: torch.Tensor, yi: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Unscaled J̃_i v [dx] of one sample, reverse-of-forward: ∇_x of ℓ's derivative along θ + s·v at s = 0."""
+        """Unscaled J̃_i v [dx] of one sample, reverse-of-forward: ∇_x of ℓ's derivative along θ + s·v at s = 0
+        (one sample at a time, ``one_at_a_time``, with plain autograd)."""
+        if self.one_at_a_time:
+            return self._autograd.j(xi, yi, v)
         tangent, offset = {}, 0
         for name, p in self.params.items():
             tangent[name] = v[offset:offset + p.numel()].reshape(p.shape)
@@ -309,10 +331,25 @@ class JacobianOperator:
         k = vectors.shape[1]
         chunk = max(1, self.sample_chunk // k)
         with batchnorm_without_running_stats(self.model):
+            if self.one_at_a_time:  # a Python loop: ``one`` takes plain autograd's forms (``_jt_one``, ``_j_one``)
+                return self._looped(one, vectors, extra)
             if k == 1:
                 return vmap(one, chunk_size=chunk)(self.x, self.y, vectors[:, 0], *extra).unsqueeze(1)
             each = lambda xi, yi, w, *e: vmap(lambda wj: one(xi, yi, wj, *e), chunk_size=self.chunk_size)(w)  # noqa: E731
             return vmap(each, chunk_size=chunk)(self.x, self.y, vectors, *extra)
+
+    def _looped(self, one: Callable, vectors: torch.Tensor, extra: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``_per_sample_products`` one sample and one vector at a time, written into one [B, k, ·] result (no
+        stacked copy: a ResNet-18's J_iᵀu at B = 32 is 1.4 GB)."""
+        out = None
+        for i in range(vectors.shape[0]):
+            for j in range(vectors.shape[1]):
+                row = one(self.x[i], self.y[i], vectors[i, j], *(e[i] for e in extra))
+                if out is None:
+                    size = row.numel() if isinstance(row, torch.Tensor) else sum(t.numel() for t in row)
+                    out = vectors.new_empty(vectors.shape[0], vectors.shape[1], size)
+                flatten_into(row, out[i, j])
+        return out
 
     @on_exact_float32
     def direct_j(self, v: torch.Tensor, before: Callable, extra: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
@@ -422,6 +459,10 @@ class JacobianOperator:
         result, the peak of the whole clipped guard step's products); this one holds the result and
         one chunk."""
         out = torch.empty(self.batch_size, self.dtheta, dtype=self.dtype, device=self.device)
+        if self.one_at_a_time:
+            for i, (xi, yi) in enumerate(zip(self.x, self.y)):
+                flatten_into(self._autograd.gradient(xi, yi), out[i])
+            return out
         for start in range(0, self.batch_size, self.sample_chunk):
             stop = min(start + self.sample_chunk, self.batch_size)
             out[start:stop] = vmap(self._sample_grad)(self.x[start:stop], self.y[start:stop]).detach()

@@ -1,0 +1,136 @@
+"""The operator's direct path: each per-sample product computed afresh, nothing kept between products.
+
+``JacobianOperator`` (``flguard.risk.operator``) takes this path where the cached pullbacks would not fit
+(``flguard.risk.sizing``): J_iᵀu reverse-over-reverse, J_iv reverse-of-forward, the K product fused per sample
+with what a wrapper applies in parameter space between them (the clipping's projection), ``vmap``-ed over chunks of
+``sample_chunk`` samples — or, where a chunk is one sample (a ResNet-18 on the CPU), one sample at a time with plain
+autograd (``flguard.risk.sample_autograd``). The path is per-sample only: an operator on it has no train-mode
+BatchNorm (that couples the batch), so nothing here switches running statistics off.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.func import grad, jvp, vmap
+
+from flguard.risk.precision import on_exact_float32
+from flguard.risk.sample_autograd import flatten_into
+
+
+#: Where a chunk is one sample, multiply one sample at a time with plain autograd (``sample_autograd``) rather than
+#: through ``vmap`` over chunks of one. False: ``vmap``, as before (``benchmarks/bench_sample_autograd.py`` compares
+#: the two in one process).
+ONE_AT_A_TIME = True
+
+
+class DirectProducts:
+    """``JacobianOperator``'s direct-path products (a mixin: it reads the operator's batch, parameters, forward
+    pass, scale, chunk sizes and product count)."""
+
+    @property
+    def one_at_a_time(self) -> bool:
+        """Whether the direct path multiplies one sample at a time (a chunk of one sample: a ResNet-18 on the CPU),
+        with plain autograd instead of ``vmap`` (``flguard.risk.sample_autograd``: a fifth less time there)."""
+        return ONE_AT_A_TIME and self.direct and self.sample_chunk == 1
+
+    def _jt_one(self, xi: torch.Tensor, yi: torch.Tensor, ui: torch.Tensor) -> torch.Tensor:
+        """Unscaled J̃_iᵀu [dθ] of one sample, reverse-over-reverse: ∇_θ ⟨∇_x ℓ(x_i), u⟩ — the derivative of
+        ∇_θ ℓ(x_i + t·u) at t = 0, by the symmetry of ℓ's mixed second derivatives. Measured against
+        forward-over-reverse (one CPU thread, × a training step): quickstart CNN B = 32 3.7× vs 6.1×,
+        ResNet-20-GN B = 8 4.8× vs 5.4×, ResNet-18-GN B = 8 7.4× vs 9.6× (``j``: 3.7×, 4.8×, 3.5×).
+        One sample at a time (``one_at_a_time``) the same product with plain autograd, one tensor per parameter
+        (the K product hands them to ``_j_one`` as they are; ``_per_sample_products`` flattens them into its result)."""
+        if self.one_at_a_time:
+            return self._autograd.jt(xi, yi, ui)
+        direction = ui.reshape(xi.shape)
+
+        def input_dot(params: dict[str, torch.Tensor]) -> torch.Tensor:
+            loss = lambda z: self.loss_fn(self._forward(params, z.unsqueeze(0)), yi.unsqueeze(0))  # noqa: E731
+            return (grad(loss)(xi) * direction).sum()
+        return self._flat(grad(input_dot)(self.params))
+
+    def _j_one(self, xi: torch.Tensor, yi: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Unscaled J̃_i v [dx] of one sample, reverse-of-forward: ∇_x of ℓ's derivative along θ + s·v at s = 0
+        (one sample at a time, ``one_at_a_time``, with plain autograd)."""
+        if self.one_at_a_time:
+            return self._autograd.j(xi, yi, v)
+        tangent, offset = {}, 0
+        for name, p in self.params.items():
+            tangent[name] = v[offset:offset + p.numel()].reshape(p.shape)
+            offset += p.numel()
+
+        def along(z: torch.Tensor) -> torch.Tensor:
+            loss = lambda params: self.loss_fn(self._forward(params, z.unsqueeze(0)), yi.unsqueeze(0))  # noqa: E731
+            return jvp(loss, (self.params,), (tangent,))[1]
+        return grad(along)(xi).reshape(-1)
+
+    def _per_sample_products(self, one: Callable, vectors: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+        """``one(x_i, y_i, w, *extra_i)`` for every sample i and each of its k vectors w, [B, k, ·]: vmap
+        over samples in chunks (``sample_chunk``, divided by k) and, for k > 1, over the vectors.
+        ``extra``: per-sample tensors [B, …] handed to ``one`` beside the vector."""
+        k = vectors.shape[1]
+        chunk = max(1, self.sample_chunk // k)
+        if self.one_at_a_time:  # a Python loop: ``one`` takes plain autograd's forms (``_jt_one``, ``_j_one``)
+            return self._looped(one, vectors, extra)
+        if k == 1:
+            return vmap(one, chunk_size=chunk)(self.x, self.y, vectors[:, 0], *extra).unsqueeze(1)
+        each = lambda xi, yi, w, *e: vmap(lambda wj: one(xi, yi, wj, *e), chunk_size=self.chunk_size)(w)  # noqa: E731
+        return vmap(each, chunk_size=chunk)(self.x, self.y, vectors, *extra)
+
+    def _looped(self, one: Callable, vectors: torch.Tensor, extra: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``_per_sample_products`` one sample and one vector at a time, written into one [B, k, ·] result (no
+        stacked copy: a ResNet-18's J_iᵀu at B = 32 is 1.4 GB)."""
+        out = None
+        for i in range(vectors.shape[0]):
+            for j in range(vectors.shape[1]):
+                row = one(self.x[i], self.y[i], vectors[i, j], *(e[i] for e in extra))
+                if out is None:
+                    size = row.numel() if isinstance(row, torch.Tensor) else sum(t.numel() for t in row)
+                    out = vectors.new_empty(vectors.shape[0], vectors.shape[1], size)
+                flatten_into(row, out[i, j])
+        return out
+
+    @on_exact_float32
+    def direct_j(self, v: torch.Tensor, before: Callable, extra: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+        """J_i(before(v_i, *extra_i)) per sample on the direct path, ``before`` applied inside the vmapped
+        call: a shared v (an expanded view, as for the noise) is never copied B times by a wrapper's
+        projection. One application."""
+        batch, k = self._check(v, self.dtheta)
+        self._charge(batch, k)
+
+        def one(xi: torch.Tensor, yi: torch.Tensor, vi: torch.Tensor, *e: torch.Tensor) -> torch.Tensor:
+            return self._j_one(xi, yi, before(vi, *e))
+        return self.scale * self._per_sample_products(one, v, *extra)
+
+    @on_exact_float32
+    def direct_kmv(self, u: torch.Tensor, between: Callable | None = None,
+                   extra: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+        """K_i u_i sample by sample on the direct path: J̃_i(between(J̃_iᵀu_i, *extra_i)) inside one vmapped
+        call per chunk of samples, so J_iᵀu (dθ floats per sample) exists for a chunk at a time, never
+        for the whole batch [B, k, dθ] (1.4 GB per copy for ResNet-18 at B = 32). ``between`` (default:
+        none) is what a wrapper applies in parameter space (the clipping's projection). Two applications."""
+        batch, k = self._check(u, self.dx)
+        self._charge(batch, k)
+        self._charge(batch, k)
+
+        def one(xi: torch.Tensor, yi: torch.Tensor, ui: torch.Tensor, *e: torch.Tensor) -> torch.Tensor:
+            w = self._jt_one(xi, yi, ui)
+            return self._j_one(xi, yi, w if between is None else between(w, *e))
+        return (self.scale * self.scale) * self._per_sample_products(one, u, *extra)
+
+    def _chunked_sample_grads(self) -> torch.Tensor:
+        """[B, dθ] filled a chunk of samples at a time: ``vmap(chunk_size=…)`` concatenates its chunks'
+        outputs, so its peak is twice the result (measured on ResNet-18-GN at B = 32: 3.6 GB for a 1.4 GB
+        result, the peak of the whole clipped guard step's products); this one holds the result and
+        one chunk."""
+        out = torch.empty(self.batch_size, self.dtheta, dtype=self.dtype, device=self.device)
+        if self.one_at_a_time:
+            for i, (xi, yi) in enumerate(zip(self.x, self.y)):
+                flatten_into(self._autograd.gradient(xi, yi), out[i])
+            return out
+        for start in range(0, self.batch_size, self.sample_chunk):
+            stop = min(start + self.sample_chunk, self.batch_size)
+            out[start:stop] = vmap(self._sample_grad)(self.x[start:stop], self.y[start:stop]).detach()
+        return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -261,3 +263,37 @@ def test_baselines_report_their_measured_protection():
         assert out.report.met == bool((dense >= TAU).all())
     pruned = Guard(unclipped(defense="pruning", keep_ratio=0.25)).protect(model, x, y, g).gradient
     assert int((pruned != 0).sum()) == -(-g.numel() // 4)
+
+
+def test_every_step_hands_its_freed_memory_back_to_the_os(monkeypatch):
+    """``Guard.protect`` releases the C heap's free pages after a step that sent and after one that failed
+    (``flguard.risk.sizing.release_freed_memory``): without it a ResNet-18-GN round's peak RSS rose with every step."""
+    from flguard.guard import engine
+
+    calls = []
+    monkeypatch.setattr(engine, "release_freed_memory", lambda: calls.append(1))
+    model, x, y, _, g = _problem(2)
+    assert Guard(unclipped(defense="gaussian", min_rmse=TAU)).protect(model, x, y, g).report.met
+    bad = g.clone()
+    bad[0] = float("nan")
+    assert Guard(unclipped(defense="gaussian")).protect(model, x, y, bad).gradient is None
+    assert len(calls) == 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_release_freed_memory_returns_a_fragmented_heap_to_the_os():
+    """256 MB of 64 KB tensors (under glibc's mmap threshold: on the heap), every 16th kept alive so that the
+    heap cannot shrink from its top: the freed pages stay resident until ``release_freed_memory`` hands them back."""
+    from flguard.risk import sizing
+
+    def resident() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * 4096
+
+    blocks = [torch.ones(16384) for _ in range(4096)]
+    kept = blocks[::16]
+    del blocks
+    before = resident()
+    sizing.release_freed_memory()
+    assert before - resident() > 128 * 2 ** 20
+    del kept

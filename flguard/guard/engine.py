@@ -32,6 +32,7 @@ from flguard.guard.report import GuardOutput, GuardReport
 from flguard.risk.clipped import ClippedJacobian, Jacobian
 from flguard.risk.operator import JacobianOperator, LossFn, ProductLimit
 from flguard.risk.precision import exact_float32, gradient_rtol
+from flguard.risk.sizing import release_freed_memory
 
 __all__ = ["Guard", "GuardFailure", "clip_level"]
 
@@ -61,7 +62,15 @@ class Guard:
         plain SGD step that will apply the update (``make_guarded`` passes it for ``torch.optim.SGD``):
         ``auto`` then sends the Gaussian only while its noise moves the parameters by at most
         ``flguard.guard.perturb.AUTO_MAX_MOVE`` of their norm per step, in root mean square over the
-        recent steps. It changes which certified noise is sent, never the certificate."""
+        recent steps. It changes which certified noise is sent, never the certificate. The step's freed
+        memory goes back to the OS afterwards (``flguard.risk.sizing.release_freed_memory``)."""
+        try:
+            return self._protect(model, x, y, gradient, loss_fn, step_size)
+        finally:
+            release_freed_memory()
+
+    def _protect(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, gradient: torch.Tensor,
+                 loss_fn: LossFn | None, step_size: float | None) -> GuardOutput:
         start = time.perf_counter()
         cfg = self.config
         batch = int(x.shape[0])

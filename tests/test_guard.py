@@ -297,3 +297,30 @@ def test_release_freed_memory_returns_a_fragmented_heap_to_the_os():
     sizing.release_freed_memory()
     assert before - resident() > 128 * 2 ** 20
     del kept
+
+
+def test_a_guarded_step_leaves_no_operator_to_the_cyclic_collector(monkeypatch):
+    """Every operator a step builds is freed by reference counting when the step ends (Python's cyclic collector
+    off): a reference cycle would keep its per-sample gradients until the collector runs."""
+    import gc
+    import weakref
+
+    from flguard.guard import engine
+
+    built = []
+
+    class Recorded(engine.JacobianOperator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(weakref.ref(self))
+
+    monkeypatch.setattr(engine, "JacobianOperator", Recorded)
+    model, x, y, _, g = _problem(4)
+    gc.collect()
+    gc.disable()
+    try:
+        for defense in ("gaussian", "resolvent", "eigen"):
+            Guard(GuardConfig(defense=defense, min_rmse=TAU, clip_per_sample="median")).protect(model, x, y, g)
+        assert built and all(ref() is None for ref in built)
+    finally:
+        gc.enable()

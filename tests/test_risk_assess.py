@@ -317,3 +317,29 @@ def test_cuda_matches_cpu():
     gpu = assess(model.cuda(), x.cuda(), y.cuda(), delta=delta.cuda(), eps=1e-3)
     for name, value in cpu.metrics().items():
         torch.testing.assert_close(getattr(gpu, name).cpu(), value, rtol=1e-2, atol=1e-12)
+
+
+@pytest.mark.parametrize("products", ["cached", "direct", "direct-1"])
+def test_an_operator_is_freed_by_reference_counting(products):
+    """No reference cycle through an operator after its products (cached, vmapped, one sample at a time):
+    with Python's cyclic collector off it is freed as soon as it is dropped, with its per-sample gradients
+    (a cycle left [B, dθ] to the collector: 0.36 GB a step on a ResNet-18 at B = 8)."""
+    import gc
+    import weakref
+
+    from flguard.risk.clipped import ClippedJacobian
+
+    model, x, y = _problem("conv", 3)
+    op = JacobianOperator(model, x, y, products=products.split("-")[0])
+    if products == "direct-1":
+        op.sample_chunk = 1
+    clipped = ClippedJacobian(op, float(op.per_sample_gradients().norm(dim=1).median()))
+    u = torch.randn(3, 1, op.dx, dtype=x.dtype)
+    clipped.kmv(u), clipped.jt_sum(u[:, 0]), clipped.j(torch.randn(3, 1, op.dtheta, dtype=x.dtype)), op.jt(u)
+    alive = weakref.ref(op)
+    gc.disable()
+    try:
+        del op, clipped
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -146,7 +146,7 @@ class JacobianOperator(DirectProducts):
         self.direct = not self.coupled and (products == "direct" or (
             products == "auto" and not sizing.takes_cached(self.dtheta, self.batch_size, self.device, self.x.element_size())))
         self.sample_chunk = sizing.direct_sample_chunk(self.dtheta, self.batch_size, self.device, self.x.element_size())
-        self._autograd = SampleAutograd(self._forward, self.loss_fn, self.params)
+        self._autograd = SampleAutograd(model, self.buffers, self.loss_fn, self.params)
 
     # -- building blocks -------------------------------------------------------------------
     @property

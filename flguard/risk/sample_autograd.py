@@ -24,20 +24,27 @@ from typing import Callable, Sequence
 
 import torch
 import torch.autograd.forward_ad as forward_ad
+from torch import nn
+from torch.func import functional_call
 
-#: (parameters by name, inputs [n, ...]) → logits: the operator's functional forward pass.
-Forward = Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class SampleAutograd:
     """J_iᵀu, J_iv and ∇_θℓ of one sample (``x_i`` without its batch dimension), flat, unscaled (module doc)."""
 
-    def __init__(self, forward: Forward, loss_fn: LossFn, params: dict[str, torch.Tensor]) -> None:
-        self.forward, self.loss_fn = forward, loss_fn
+    def __init__(self, model: nn.Module, buffers: dict[str, torch.Tensor], loss_fn: LossFn,
+                 params: dict[str, torch.Tensor]) -> None:
+        # the model and its buffers, not the operator's bound forward: an operator holding this object would
+        # otherwise sit in a reference cycle, freed only by Python's cyclic collector — with its per-sample
+        # gradients (0.36 GB a step on a ResNet-18 at B = 8, measured: the RSS rose by that much per step)
+        self.model, self.buffers, self.loss_fn = model, buffers, loss_fn
         self.names = list(params)
         self.values = [params[n].detach() for n in self.names]
         self.sizes = [p.numel() for p in self.values]
+
+    def forward(self, params: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.model, (params, self.buffers), (inputs,))
 
     def _leaves(self) -> list[torch.Tensor]:
         """Fresh leaves that share the parameters' storage: nothing is recorded on the operator's own tensors."""

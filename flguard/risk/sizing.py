@@ -76,10 +76,10 @@ _heap: list = []  # glibc's malloc_trim, or None where there is none (looked up 
 
 def release_freed_memory() -> None:
     """Hand the free pages of the C heap back to the OS (glibc's ``malloc_trim(0)``; nothing elsewhere). A guarded
-    step frees gigabytes of temporaries of many sizes, which glibc keeps for later allocations; over a round they
-    fragment, and the process's peak RSS rose with every step: on ResNet-18-GN at B = 8 (one CPU thread) 1.6 → 2.0 →
-    2.3 GB over three steps without it, level at 1.6 GB with it; its resident memory after a step fell from 1.4 to
-    0.9 GB (docs/results.md, "One sample at a time with plain autograd"). CUDA memory is the caching allocator's."""
+    step frees gigabytes of temporaries of many sizes, which glibc otherwise keeps for later allocations: on a
+    trained ResNet-18-GN round at B = 8 (one CPU thread) the process held 1.22–1.23 GB between steps without it and
+    1.08–1.10 GB with it, the same 1.85 GB peak either way, for about 0.3 ms a step (docs/results.md, "One sample at
+    a time with plain autograd"). CUDA memory is the caching allocator's."""
     if not RELEASE_FREED_MEMORY:
         return
     if not _heap:

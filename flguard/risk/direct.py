@@ -108,7 +108,8 @@ class DirectProducts:
     def direct_kmv(self, u: torch.Tensor, between: Callable | None = None,
                    extra: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
         """K_i u_i sample by sample on the direct path: J̃_i(between(J̃_iᵀu_i, *extra_i)) inside one vmapped
-        call per chunk of samples, so J_iᵀu (dθ floats per sample) exists for a chunk at a time, never
+        call per chunk of samples (or one sample at a time, ``one_at_a_time``: then J̃_iᵀu_i reaches ``between`` as
+        one tensor per parameter), so J_iᵀu (dθ floats per sample) exists for a chunk at a time, never
         for the whole batch [B, k, dθ] (1.4 GB per copy for ResNet-18 at B = 32). ``between`` (default:
         none) is what a wrapper applies in parameter space (the clipping's projection). Two applications."""
         batch, k = self._check(u, self.dx)

@@ -31,7 +31,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class SampleAutograd:
-    """J_iᵀu, J_iv and ∇_θℓ of one sample (``x_i`` without its batch dimension), flat, unscaled (module doc)."""
+    """One sample's J_iᵀu and ∇_θℓ (one tensor per parameter) and J_iv (flat [dx]), unscaled (module doc); ``x_i``
+    without its batch dimension."""
 
     def __init__(self, model: nn.Module, buffers: dict[str, torch.Tensor], loss_fn: LossFn,
                  params: dict[str, torch.Tensor]) -> None:

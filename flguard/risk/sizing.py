@@ -78,8 +78,9 @@ def release_freed_memory() -> None:
     """Hand the free pages of the C heap back to the OS (glibc's ``malloc_trim(0)``; nothing elsewhere). A guarded
     step frees gigabytes of temporaries of many sizes, which glibc otherwise keeps for later allocations: on a
     trained ResNet-18-GN round at B = 8 (one CPU thread) the process held 1.22–1.23 GB between steps without it and
-    1.08–1.10 GB with it, the same 1.85 GB peak either way, for about 0.3 ms a step (docs/results.md, "One sample at
-    a time with plain autograd"). CUDA memory is the caching allocator's."""
+    1.08–1.10 GB with it, the same 1.85 GB peak either way; it took 0.8–2.2 ms after each of eight guarded steps of
+    the quickstart CNN at B = 32 (850 ms each) (docs/results.md, "One sample at a time with plain autograd"). CUDA
+    memory is the caching allocator's."""
     if not RELEASE_FREED_MEMORY:
         return
     if not _heap:

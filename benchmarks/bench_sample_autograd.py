@@ -1,5 +1,8 @@
-"""The direct path's products where a chunk is one sample: ``vmap`` over chunks of one against one sample at a time
-with plain autograd (``flguard.risk.direct.ONE_AT_A_TIME``), interleaved in one process, × a training step.
+"""The direct path's products where a chunk is one sample, in two forms interleaved in one process, × a training step:
+``vmap`` over chunks of one against one sample at a time with plain autograd (``--forms vmap,autograd``, the default;
+``flguard.risk.direct.ONE_AT_A_TIME``), or plain autograd with PyTorch's own convolution nodes against convolutions'
+input gradients as transposed convolutions (``--forms autograd,transposed``;
+``flguard.risk.sample_autograd.TRANSPOSED_INPUT_GRADS``).
 
 Products on the operator the guard builds (the zoo's model at its seeded initialisation; a product's cost does not
 depend on training): the clipped K product (median clipping, the guard's default; what the solvers run), J_iᵀu and
@@ -8,6 +11,7 @@ medians over ``--repeats`` rounds, each round timing a training step and every p
 largest relative difference between the forms' outputs.
 
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_sample_autograd.py --model resnet18_gn --batch 8
+    cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_sample_autograd.py --forms autograd,transposed
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import time
 import torch
 
 from flguard.models import create
-from flguard.risk import direct
+from flguard.risk import direct, sample_autograd
 from flguard.risk.clipped import ClippedJacobian
 from flguard.risk.operator import JacobianOperator
 
@@ -28,6 +32,7 @@ def main() -> None:
     parser.add_argument("--model", default="resnet18_gn")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--forms", default="vmap,autograd", choices=["vmap,autograd", "autograd,transposed"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -56,16 +61,21 @@ def main() -> None:
         train()
         times.setdefault("train", []).append(time.perf_counter() - start)
         for looped in (False, True):
-            direct.ONE_AT_A_TIME = looped
+            if args.forms == "vmap,autograd":
+                direct.ONE_AT_A_TIME, sample_autograd.TRANSPOSED_INPUT_GRADS = looped, False
+            else:
+                direct.ONE_AT_A_TIME, sample_autograd.TRANSPOSED_INPUT_GRADS = True, looped
             for name, product in products.items():
                 start = time.perf_counter()
                 outputs[name, looped] = product()
                 times.setdefault(f"{name}|{looped}", []).append(time.perf_counter() - start)
-    direct.ONE_AT_A_TIME = True
+    direct.ONE_AT_A_TIME = sample_autograd.TRANSPOSED_INPUT_GRADS = True
     median = {k: sorted(t)[len(t) // 2] for k, t in times.items()}
     step = median["train"]
     print(f"{args.model} B={args.batch}, one CPU thread: training step {step * 1e3:.0f} ms")
-    print("| product | vmap, chunks of one | one at a time, autograd | ratio | relative difference |")
+    first, second = {"vmap,autograd": ("vmap, chunks of one", "one at a time, autograd"),
+                     "autograd,transposed": ("autograd", "autograd, transposed input gradients")}[args.forms]
+    print(f"| product | {first} | {second} | ratio | relative difference |")
     print("| --- | --- | --- | --- | --- |")
     for name in products:
         before, after = median[f"{name}|False"], median[f"{name}|True"]

@@ -8,9 +8,10 @@ swapped: for one sample an input of one channel and as many "samples" as the lay
 every backend (a 512-channel 4×4 layer of a ResNet-18: 7.8 ms where the ordinary weight gradient takes about 1), and
 a result transposed in memory, whose accumulation and hand-over to forward mode are strided copies. Here, inside
 ``transposed_input_grads()``, a 2-D convolution's input gradient is recorded as what it equals,
-``conv_transpose2d(∂ℓ/∂y, W)``, whose own derivatives are ordinary convolution gradients. Measured on ResNet-18-GN, one
-sample, one CPU thread (docs/results.md, "Transposed input gradients"): J_iᵀu 200 → 175 ms, and the J_i product that
-follows it in the K product 184 → 158 ms (its tangents arrive contiguous), the outputs equal to 8e-7.
+``conv_transpose2d(∂ℓ/∂y, W)``, whose own derivatives are ordinary convolution gradients. Measured on ResNet-18-GN at
+B = 8, one CPU thread, × a training step (docs/results.md, "Transposed input gradients"): J_iᵀu 7.69× → 6.12×, the
+clipped K product 13.98× → 11.06× (the J_i after J_iᵀu gets contiguous tangents), a guarded step 47.0 → 37.4 s; the
+outputs agree to 8e-7.
 
 Only ``torch.nn.functional.conv2d`` on a batched input with numeric padding is rerouted (``nn.Conv2d`` with any
 stride, padding, padding mode, dilation, groups and bias); anything else runs as PyTorch records it. The first pass

@@ -61,17 +61,23 @@ class _Conv2d(torch.autograd.Function):
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         stride, padding, dilation, groups = ctx.settings
+        need_x = ctx.needs_input_grad[0]
+        need_w = ctx.needs_input_grad[1] and not ctx.input_only.on
+        need_b = ctx.has_bias and ctx.needs_input_grad[2] and not ctx.input_only.on
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            # the rows and columns a strided convolution never reached: the transposed convolution's output padding
+        if need_x and torch.is_grad_enabled():  # the input gradient's graph is kept (create_graph): record it
+            # as a transposed convolution, with the rows and columns a strided convolution never reached as its
+            # output padding
             extra = tuple(x.shape[2 + d] - ((grad_y.shape[2 + d] - 1) * stride[d] - 2 * padding[d]
                                             + dilation[d] * (weight.shape[2 + d] - 1) + 1) for d in range(2))
             grad_x = F.conv_transpose2d(grad_y, weight, None, stride, padding, extra, groups, dilation)
-        if not ctx.input_only.on:
-            if ctx.needs_input_grad[1]:
-                grad_w = torch.nn.grad.conv2d_weight(x, weight.shape, grad_y, stride, padding, dilation, groups)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_b = grad_y.sum(dim=(0, 2, 3))
+            need_x = False
+        if need_x or need_w or need_b:  # PyTorch's own gradients in one call (not ``torch.nn.grad.conv2d_weight``,
+            # which passes an expanded stand-in for the weight that the kernel then copies in full)
+            gx, grad_w, grad_b = torch.ops.aten.convolution_backward(
+                grad_y, x, weight, [weight.shape[0]] if need_b else None, list(stride), list(padding),
+                list(dilation), False, [0, 0], groups, [need_x, need_w, need_b])
+            grad_x = gx if need_x else grad_x
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 

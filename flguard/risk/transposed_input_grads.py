@@ -9,13 +9,14 @@ every backend (a 512-channel 4×4 layer of a ResNet-18: 7.8 ms where the ordinar
 a result transposed in memory, whose accumulation and hand-over to forward mode are strided copies. Here, inside
 ``transposed_input_grads()``, a 2-D convolution's input gradient is recorded as what it equals,
 ``conv_transpose2d(∂ℓ/∂y, W)``, whose own derivatives are ordinary convolution gradients. Measured on ResNet-18-GN at
-B = 8, one CPU thread, × a training step (docs/results.md, "Transposed input gradients"): J_iᵀu 7.69× → 6.12×, the
-clipped K product 13.98× → 11.06× (the J_i after J_iᵀu gets contiguous tangents), a guarded step 47.0 → 37.4 s; the
+B = 8, one CPU thread, × a training step (docs/results.md, "Transposed input gradients"): J_iᵀu 8.01× → 6.00×, the
+clipped K product 14.30× → 10.64× (the J_i after J_iᵀu gets contiguous tangents), a guarded step 48.4 → 35.9 s; the
 outputs agree to 8e-7.
 
 Only ``torch.nn.functional.conv2d`` on a batched input with numeric padding is rerouted (``nn.Conv2d`` with any
 stride, padding, padding mode, dilation, groups and bias); anything else runs as PyTorch records it. The first pass
-(to the input only) is told not to form the weights' gradients (``InputOnly``): the engine would discard them.
+(to the input only) is told not to form the weights' gradients (``InputOnly``): the engine would discard them; the
+second forms the input's and the weight's gradients in one ``convolution_backward`` call.
 """
 
 from __future__ import annotations

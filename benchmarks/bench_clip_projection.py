@@ -1,8 +1,9 @@
 """The clipped operator's projection, s_i(I − ĝ_iĝ_iᵀ)w_i, as batched dot products against batched GEMVs.
 
-``flguard.risk.clipped.ClippedJacobian._project`` projects each sample's parameter-space vector inside every K and Jᵀ
-product on the cached path. With one vector per sample (every product the solvers take) it uses batched dot products;
-this times the guard's K product on a trained model's clipped operator (``bench_guard_models.py``'s model, batch drawn
+``flguard.risk.clipped.ClippedJacobian._project`` projects each sample's parameter-space vector inside every J and Jᵀ
+product on the cached path (and inside every K product until the K product's projection moved to the input space,
+``ClippedJacobian.kmv``: the measurements in docs/results.md were of the K product). With one vector per sample it
+uses batched dot products; this times the clipped Jᵀ product on a trained model's clipped operator (``bench_guard_models.py``'s model, batch drawn
 with seed 1, clipped at the median per-sample norm) with that form and with the batched-GEMV form it replaced
 (``bmm``/``baddbmm``, kept for k > 1), interleaved in one process so that the machine's drift hits both alike, and
 prints the medians, their ratio and the largest difference of the two products (float32 summation order).
@@ -50,19 +51,19 @@ def main() -> None:
     try:
         for name, form in forms.items():  # warm-up, and each form's product for the comparison
             ClippedJacobian._project = form
-            outputs[name] = op.kmv(u)
+            outputs[name] = op.jt(u)
         for repeat in range(args.repeats):
             for name in (list(forms) if repeat % 2 else list(forms)[::-1]):
                 ClippedJacobian._project = forms[name]
                 start = time.perf_counter()
-                op.kmv(u)
+                op.jt(u)
                 times[name].append(time.perf_counter() - start)
     finally:
         ClippedJacobian._project = forms["dot products (shipped)"]
     medians = {name: 1000 * statistics.median(values) for name, values in times.items()}
     shipped, before = medians.values()
     first, second = outputs.values()
-    print(f"{args.model}, B = {args.batch}, clipped K product, median ms: "
+    print(f"{args.model}, B = {args.batch}, clipped Jᵀ product, median ms: "
           + ", ".join(f"{name} {ms:.2f}" for name, ms in medians.items())
           + f"; shipped ÷ before {shipped / before:.3f}; largest difference ÷ largest entry "
           f"{float((first - second).abs().max() / second.abs().max()):.1e}")

@@ -75,9 +75,11 @@ def test_clipped_products_match_the_dense_jacobian_of_the_clipped_upload(product
     torch.testing.assert_close(op.jt(u), torch.einsum("bxp,bkx->bkp", jac, u))
     before = op.applications
     torch.testing.assert_close(op.kmv(u), torch.einsum("bxp,byp,bky->bkx", jac, jac, u))
-    assert op.applications - before == 4  # two applications of k = 2 vectors
+    assert op.applications - before == 5  # two applications of k = 2 vectors, and the gradients' images J_ig_i once
     one_u, one_v = u[:, :1], v[:, :1]  # one vector per sample: the projection's batched dot products (k > 1: GEMMs)
+    before = op.applications
     torch.testing.assert_close(op.kmv(one_u), torch.einsum("bxp,byp,bky->bkx", jac, jac, one_u))
+    assert op.applications - before == 2  # the images are taken once per operator
     torch.testing.assert_close(op.jt(one_u), torch.einsum("bxp,bkx->bkp", jac, one_u))
     torch.testing.assert_close(op.j(one_v), torch.einsum("bxp,bkp->bkx", jac, one_v))
     rows = torch.tensor([0, 2])  # a restricted operator (the solvers' shrinking) reads its rows of the same J̄

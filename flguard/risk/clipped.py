@@ -15,7 +15,8 @@ from flguard.risk.operator import JacobianOperator
 #: ``ClippedJacobian._project`` with one vector per sample computes ⟨w_i, g_i⟩ as batched dot products (``vecdot``)
 #: up to this many floats in w, and as a batched GEMV (``bmm``) above: the dot products ran 2.6–3.5× faster on one CPU
 #: thread (B = 32 × 44 k and B = 8 × 272 k floats; the clipped K product on the trained CNN 7–11% faster,
-#: ``benchmarks/bench_clip_projection.py``) but hold a temporary the size of w, which the GEMV does not (1.4 GB for a
+#: ``benchmarks/bench_clip_projection.py``, when it still projected in the parameter space — it now corrects in the
+#: input space, ``ClippedJacobian.kmv``; ``j`` and ``jt`` project) but hold a temporary the size of w, which the GEMV does not (1.4 GB for a
 #: ResNet-18's cached products at B = 32 on a GPU); the update w − a_i g_i is an ``addcmul`` either way (1.5× a
 #: ``baddbmm``'s speed, no temporary). For k > 1 vectors per sample the GEMMs are the faster form.
 DOT_PROJECTION_UP_TO = 2 ** 24
@@ -31,7 +32,9 @@ class ClippedJacobian:
         J̄_i = J_i · s_i(I − ĝ_iĝ_iᵀ)   (J̄_i = J_i for an unclipped sample),
 
     exact wherever ‖g_i‖ ≠ C. Products wrap ``JacobianOperator``'s: j(v) = J_i(s_i P_i v) and
-    jᵀ(u) = s_i P_i J_iᵀu. ``gradient`` is U itself (the update to send). Per-sample path only.
+    jᵀ(u) = s_i P_i J_iᵀu; the K product, which the solvers run, takes the projection in the input space,
+    s_i²(K_iu − a_i⟨a_i, u⟩) with a_i = J_iĝ_i (``kmv``). ``gradient`` is U itself (the update to send). Per-sample
+    path only.
     """
 
     def __init__(self, op: JacobianOperator, clip: float) -> None:
@@ -51,6 +54,9 @@ class ClippedJacobian:
         self.sample_norms = norms
         self.gradient = op.scale * (self.factor @ per)  # Σ_i s_i g_i without a [B, dθ] temporary
         self.unclipped_gradient = op.scale * per.sum(0)
+        # J_i g_i of every sample ([B, dx], ``_gradient_images``): taken on this operator at the first product that
+        # needs it and shared with the restricted copies (the same dict)
+        self._images: dict = {"op": op, "values": None}
 
     def __getattr__(self, name: str):  # x, dx, dtheta, batch_size, dtype, device, applications …
         return getattr(self.op, name)
@@ -87,21 +93,34 @@ class ClippedJacobian:
     def jt(self, u: torch.Tensor) -> torch.Tensor:
         return self._project(self.op.jt(u))
 
+    def _gradient_images(self) -> torch.Tensor:
+        """J_ig_i [b, dx] for this operator's samples (the operator's scaled J, the unscaled per-sample gradients):
+        one J product per sample of the whole batch, on the operator this one was built on, taken once per step — at
+        the first K product or summed Jᵀ product of this operator or of any restricted copy (the solvers' shrinking
+        products) — and shared by all of them."""
+        if self._images["values"] is None:
+            self._images["values"] = self._images["op"].j(self.per.unsqueeze(1))[:, 0]
+        return self._images["values"] if self.rows is None else self._images["values"][self.rows]
+
     def jt_sum(self, u: torch.Tensor) -> torch.Tensor:
         """Σ_i J̄_iᵀu_i = Σ_i s_iP_iJ_iᵀu_i, u [B, dx] → [dθ], without a [B, dθ]: the plain operator's summed
         product of the s_iu_i, less the clipped samples' components along their gradients,
-        s_i‖g_i‖⁻²⟨J_ig_i, u_i⟩ g_i (one J product of the per-sample gradients). Two applications."""
+        s_i‖g_i‖⁻²⟨J_ig_i, u_i⟩ g_i (``_gradient_images``). One application, and the images' one if no product took
+        them before."""
         per = self.per if self.rows is None else self.per[self.rows]
-        along = self.op.j(per.unsqueeze(1))[:, 0]  # J_i g_i [B, dx]
+        along = self._gradient_images()  # J_i g_i [B, dx]
         weights = self.factor * self.inverse_norm.square() * (along * u).sum(1)  # 0 for an unclipped sample
         return self.op.jt_sum(self.factor.unsqueeze(1) * u) - weights @ per
 
     def kmv(self, u: torch.Tensor) -> torch.Tensor:
-        """J̄_iJ̄_iᵀu_i = J_i P_i² J_iᵀu_i with P_i² = s_i²(I − ĝ_iĝ_iᵀ): one projection, not two; on the
-        direct path fused per sample (``JacobianOperator.direct_kmv``)."""
-        if self.op.direct:
-            return self.op.direct_kmv(u, *self._projection(2))
-        return self.op.j(self._project(self.op.jt(u), power=2))
+        """J̄_iJ̄_iᵀu_i = s_i²J_i(I − ĝ_iĝ_iᵀ)J_iᵀu_i = s_i²(K_iu_i − a_i⟨a_i, u_i⟩) with a_i = J_iĝ_i: the clipping's
+        projection moved to the input space, where it is a rank-one correction of dx floats per vector, instead of a
+        pass over dθ floats inside every product (a_i from ``_gradient_images``, once per step; a_i = 0 for an
+        unclipped sample). Two applications (plus the images' one, once)."""
+        images = self._gradient_images() * self.inverse_norm.unsqueeze(1)  # a_i = J_iĝ_i [B, dx]
+        plain = self.op.kmv(u)
+        along = (u * images.unsqueeze(1)).sum(2, keepdim=True)  # ⟨a_i, u_ik⟩ [B, k, 1]
+        return torch.addcmul(plain, along, images.unsqueeze(1), value=-1).mul_(self.factor.square().view(-1, 1, 1))
 
     def restricted(self, index: torch.Tensor) -> ClippedJacobian:
         """The clipped blocks of the samples ``index`` alone (see ``JacobianOperator.restricted``)."""

@@ -61,33 +61,32 @@ class ClippedJacobian:
     def __getattr__(self, name: str):  # x, dx, dtheta, batch_size, dtype, device, applications …
         return getattr(self.op, name)
 
-    def _project(self, w: torch.Tensor, power: int = 1) -> torch.Tensor:
-        """(s_i(I − ĝ_iĝ_iᵀ))^power w_i for w [B, k, dθ] (the projection is idempotent: power scales
-        by s_i^power). One fused w − (wĝ)ĝᵀ and an in-place scale: these are memory-bound passes over
-        B·k·dθ floats, a fifth of the clipped guard's time when written as separate temporaries."""
+    def _project(self, w: torch.Tensor) -> torch.Tensor:
+        """s_i(I − ĝ_iĝ_iᵀ)w_i for w [B, k, dθ]. One fused w − (wĝ)ĝᵀ and an in-place scale: these are memory-bound
+        passes over B·k·dθ floats, a fifth of the clipped guard's time when written as separate temporaries."""
         per = self.per if self.rows is None else self.per[self.rows]
-        one = w.shape[1] == 1  # one vector per sample (the solvers' products): DOT_PROJECTION_UP_TO
+        one = w.shape[1] == 1  # one vector per sample: DOT_PROJECTION_UP_TO
         dot = (torch.linalg.vecdot(w, per.unsqueeze(1)).unsqueeze(2) if one and w.numel() <= DOT_PROJECTION_UP_TO
                else torch.bmm(w, per.unsqueeze(2)))
         along = dot * self.inverse_norm.square().view(-1, 1, 1)  # [B, k, 1]
         out = (torch.addcmul(w, along, per.unsqueeze(1), value=-1) if one
                else torch.baddbmm(w, along, per.unsqueeze(1), alpha=-1))
-        return out.mul_(self.factor.pow(power).view(-1, 1, 1))
+        return out.mul_(self.factor.view(-1, 1, 1))
 
-    def _projection(self, power: int) -> tuple:
-        """(between, extra) for the direct path's fused products: sample i's gradient read from the shared
-        [B, dθ] by its row inside the vmapped call (a restricted operator copies no rows of it)."""
+    def _projection(self) -> tuple:
+        """(before, extra) for the direct path's J product: sample i's gradient read from the shared [B, dθ] by its
+        row inside the vmapped call (a restricted operator copies no rows of it)."""
         per = self.per
         rows = torch.arange(self.batch_size, device=per.device) if self.rows is None else self.rows
 
-        def between(w: torch.Tensor, row: torch.Tensor, inverse_norm_sq: torch.Tensor,
-                    scale: torch.Tensor) -> torch.Tensor:
+        def before(w: torch.Tensor, row: torch.Tensor, inverse_norm_sq: torch.Tensor,
+                   scale: torch.Tensor) -> torch.Tensor:
             return _clip_projection(w, per[row], inverse_norm_sq, scale)
-        return between, (rows, self.inverse_norm.square(), self.factor.pow(power))
+        return before, (rows, self.inverse_norm.square(), self.factor)
 
     def j(self, v: torch.Tensor) -> torch.Tensor:
         if self.op.direct:  # projected per sample inside the product: no [B, k, dθ] copy of v
-            return self.op.direct_j(v, *self._projection(1))
+            return self.op.direct_j(v, *self._projection())
         return self.op.j(self._project(v))
 
     def jt(self, u: torch.Tensor) -> torch.Tensor:
@@ -133,16 +132,11 @@ class ClippedJacobian:
         return sub
 
 
-def _clip_projection(w: torch.Tensor | list[torch.Tensor], g: torch.Tensor, inverse_norm_sq: torch.Tensor,
-                     scale: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
-    """One sample's scale·(I − ĝĝᵀ)w with ĝ = g/‖g‖ (inverse_norm_sq = 1/‖g‖², 0 for an unclipped
-    sample): the clipping's P_i with scale s_i, or P_i² with s_i². ``w`` flat [dθ], or one tensor per
-    parameter in order (the operator's products one sample at a time), answered in the same form."""
-    if isinstance(w, torch.Tensor):
-        return scale * (w - (inverse_norm_sq * torch.dot(w, g)) * g)
-    pieces = g.split([t.numel() for t in w])
-    along = inverse_norm_sq * sum(torch.dot(t.reshape(-1), p) for t, p in zip(w, pieces))
-    return [torch.addcmul(t, along, p.view_as(t), value=-1).mul_(scale) for t, p in zip(w, pieces)]
+def _clip_projection(w: torch.Tensor, g: torch.Tensor, inverse_norm_sq: torch.Tensor,
+                     scale: torch.Tensor) -> torch.Tensor:
+    """One sample's scale·(I − ĝĝᵀ)w with ĝ = g/‖g‖ (inverse_norm_sq = 1/‖g‖², 0 for an unclipped sample): the
+    clipping's P_i with scale s_i, on a flat w [dθ]."""
+    return scale * (w - (inverse_norm_sq * torch.dot(w, g)) * g)
 
 
 #: Either operator (plain or per-sample-clipped upload): what the guard, the defenses and

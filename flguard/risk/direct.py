@@ -1,8 +1,8 @@
 """The operator's direct path: each per-sample product computed afresh, nothing kept between products.
 
 ``JacobianOperator`` (``flguard.risk.operator``) takes this path where the cached pullbacks would not fit
-(``flguard.risk.sizing``): J_iᵀu reverse-over-reverse, J_iv reverse-of-forward, the K product fused per sample
-with what a wrapper applies in parameter space between them (the clipping's projection), ``vmap``-ed over chunks of
+(``flguard.risk.sizing``): J_iᵀu reverse-over-reverse, J_iv reverse-of-forward (with what a wrapper applies to v
+first: the clipping's projection), the K product fused per sample, ``vmap``-ed over chunks of
 ``sample_chunk`` samples — or, where a chunk is one sample (a ResNet-18 on the CPU), one sample at a time with plain
 autograd (``flguard.risk.sample_autograd``). The path is per-sample only: an operator on it has no train-mode
 BatchNorm (that couples the batch), so nothing here switches running statistics off.
@@ -105,21 +105,19 @@ class DirectProducts:
         return self.scale * self._per_sample_products(one, v, *extra)
 
     @on_exact_float32
-    def direct_kmv(self, u: torch.Tensor, between: Callable | None = None,
-                   extra: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
-        """K_i u_i sample by sample on the direct path: J̃_i(between(J̃_iᵀu_i, *extra_i)) inside one vmapped
-        call per chunk of samples (or one sample at a time, ``one_at_a_time``: then J̃_iᵀu_i reaches ``between`` as
-        one tensor per parameter), so J_iᵀu (dθ floats per sample) exists for a chunk at a time, never
-        for the whole batch [B, k, dθ] (1.4 GB per copy for ResNet-18 at B = 32). ``between`` (default:
-        none) is what a wrapper applies in parameter space (the clipping's projection). Two applications."""
+    def direct_kmv(self, u: torch.Tensor) -> torch.Tensor:
+        """K_i u_i sample by sample on the direct path: J̃_i(J̃_iᵀu_i) inside one vmapped call per chunk of samples
+        (or one sample at a time, ``one_at_a_time``: then J̃_iᵀu_i reaches J̃_i as one tensor per parameter), so J_iᵀu
+        (dθ floats per sample) exists for a chunk at a time, never for the whole batch [B, k, dθ] (1.4 GB per copy
+        for ResNet-18 at B = 32). The clipped operator corrects the result in the input space
+        (``ClippedJacobian.kmv``), so nothing is applied between the two. Two applications."""
         batch, k = self._check(u, self.dx)
         self._charge(batch, k)
         self._charge(batch, k)
 
-        def one(xi: torch.Tensor, yi: torch.Tensor, ui: torch.Tensor, *e: torch.Tensor) -> torch.Tensor:
-            w = self._jt_one(xi, yi, ui)
-            return self._j_one(xi, yi, w if between is None else between(w, *e))
-        return (self.scale * self.scale) * self._per_sample_products(one, u, *extra)
+        def one(xi: torch.Tensor, yi: torch.Tensor, ui: torch.Tensor) -> torch.Tensor:
+            return self._j_one(xi, yi, self._jt_one(xi, yi, ui))
+        return (self.scale * self.scale) * self._per_sample_products(one, u)
 
     def _chunked_sample_grads(self) -> torch.Tensor:
         """[B, dθ] filled a chunk of samples at a time: ``vmap(chunk_size=…)`` concatenates its chunks'

@@ -4,8 +4,8 @@ PyTorch's costly second derivative of a convolution's input gradient.
 J_iᵀu = ∇_θ⟨∇_x ℓ, u⟩ (``flguard.risk.sample_autograd``) differentiates the input gradient ∇_x ℓ with respect to
 the parameters. PyTorch records a convolution's input gradient as its ``convolution_backward`` node, whose own
 derivative (``_convolution_double_backward``) gets the weight's part by a convolution with batch and channels
-swapped: for one sample an input of one channel and as many "samples" as the layer has channels, a slow shape for
-every backend (a 512-channel 4×4 layer of a ResNet-18: 7.8 ms where the ordinary weight gradient takes about 1), and
+swapped: for one sample an input of one channel and as many "samples" as the layer has channels, a slow shape on
+the CPU (a 512-channel 4×4 layer of a ResNet-18: 7.8 ms where the ordinary weight gradient takes about 1), and
 a result transposed in memory, whose accumulation and hand-over to forward mode are strided copies. Here, inside
 ``transposed_input_grads()``, a 2-D convolution's input gradient is recorded as what it equals,
 ``conv_transpose2d(∂ℓ/∂y, W)``, whose own derivatives are ordinary convolution gradients. Measured on ResNet-18-GN at

@@ -3,10 +3,11 @@
 ``flguard.risk.clipped.ClippedJacobian._project`` projects each sample's parameter-space vector inside every J and Jᵀ
 product on the cached path (and inside every K product until the K product's projection moved to the input space,
 ``ClippedJacobian.kmv``: the measurements in docs/results.md were of the K product). With one vector per sample it
-uses batched dot products; this times the clipped Jᵀ product on a trained model's clipped operator (``bench_guard_models.py``'s model, batch drawn
-with seed 1, clipped at the median per-sample norm) with that form and with the batched-GEMV form it replaced
-(``bmm``/``baddbmm``, kept for k > 1), interleaved in one process so that the machine's drift hits both alike, and
-prints the medians, their ratio and the largest difference of the two products (float32 summation order).
+uses batched dot products; this times the clipped Jᵀ product on a trained model's clipped operator
+(``bench_guard_models.py``'s model, batch drawn with seed 1, clipped at the median per-sample norm) with that form
+and with the batched-GEMV form it replaced (``bmm``/``baddbmm``, kept for k > 1), interleaved in one process so that
+the machine's drift hits both alike, and prints the medians, their ratio and the largest difference of the two
+products (float32 summation order).
 
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_clip_projection.py --model cnn --batch 32
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_clip_projection.py --model resnet20_gn --batch 8

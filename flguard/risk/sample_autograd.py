@@ -8,8 +8,9 @@ plain autograd"): J_iᵀu 10.7× vmapped, 9.5× with ``torch.func.grad`` alone, 
 vmapped, **5.3× here**; the fused K product 15.3× → **12.0×**. With the convolutions' input gradients recorded as
 transposed convolutions in J_iᵀu's forward pass (``TRANSPOSED_INPUT_GRADS``, ``flguard.risk.transposed_input_grads``)
 J_iᵀu 8.01× → 6.00× and the clipped K product 14.30× → 10.64× (docs/results.md, "Transposed input gradients").
-Where a chunk holds several samples the vmapped forms are the faster ones (ResNet-20-GN at B = 8: the K product 11.0× vmapped against 15.1× one sample at a time; the
-quickstart CNN at B = 32: 8.9× against 39.8×), so the operator takes this form only for chunks of one.
+Where a chunk holds several samples the vmapped forms are the faster ones (ResNet-20-GN at B = 8: the K product
+11.0× vmapped against 15.1× one sample at a time; the quickstart CNN at B = 32: 8.9× against 39.8×), so the operator
+takes this form only for chunks of one.
 
 The same mathematics as the vmapped forms (``JacobianOperator._jt_one``, ``_j_one``), unscaled (ℓ is one sample's
 loss; the operator applies the batch loss's scale):

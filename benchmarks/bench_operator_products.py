@@ -9,7 +9,9 @@ ratios to a training step (forward + backward of the mean loss, same batch), the
 builds the cached pullbacks), the peak RSS after the training steps (``peak_train_gb``), after the
 ``kmv`` calls (``peak_kmv_gb``: all the solvers need) and at the end (``peak_gb``, after ``jt``/``j``
 made [B, dθ] outputs), and ``jt``/``j``. ``--clip``: the guard's operator, per-sample clipped at the
-median norm (``ClippedJacobian``; it keeps the per-sample gradients, [B, dθ]).
+median norm (``ClippedJacobian``; it keeps the per-sample gradients, [B, dθ]). ``--precision tf32`` (CUDA only): the
+products with TF32 allowed for convolutions and matrix products — what the guard's certificate does not allow
+(``flguard.risk.precision``), timed to say what its IEEE float32 costs on a GPU.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_operator_products.py
     OMP_NUM_THREADS=1 python benchmarks/bench_operator_products.py --models resnet18_gn --batch 8,32
@@ -51,14 +53,22 @@ def _peak(device: str) -> float:
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
 
 
-def _measure(name: str, batch: int, products: str, device: str, repeats: int, clip: bool = False) -> dict:
+def _measure(name: str, batch: int, products: str, device: str, repeats: int, clip: bool = False,
+             precision: str = "ieee") -> dict:
     """One (model, batch, path) in this (child) process; ``clip``: the guard's operator, per-sample
-    clipped at the median norm (``ClippedJacobian``, which keeps the per-sample gradients)."""
+    clipped at the median norm (``ClippedJacobian``, which keeps the per-sample gradients); ``precision="tf32"``:
+    the products with TF32 allowed (a measurement only: the certificate needs IEEE float32)."""
+    import contextlib
+
+    from flguard.risk import precision as precision_module
     from flguard.models import create
     from flguard.risk import sizing
     from flguard.risk.clipped import ClippedJacobian
     from flguard.risk.operator import JacobianOperator
 
+    if precision == "tf32":
+        precision_module.ieee_float32 = contextlib.nullcontext
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
     path = "direct" if products == "direct-cpu-chunks" else products
     if products == "direct-cpu-chunks":  # the direct path in the CPU's chunks on any device (a GPU's baseline)
         sizing.CUDA_CHUNK_SHARE = 0.0
@@ -87,7 +97,7 @@ def _measure(name: str, batch: int, products: str, device: str, repeats: int, cl
     fresh = JacobianOperator(model, x, y, products=path)
     grads = _timed(fresh.per_sample_gradients, device, 1)[0]
     inner = getattr(op, "op", op)
-    return dict(model=name, params=op.dtheta, B=batch, products=products, clip=clip,
+    return dict(model=name, params=op.dtheta, B=batch, products=products, clip=clip, precision=precision,
                 path="direct" if inner.direct else "cached", chunk=inner.sample_chunk if inner.direct else batch,
                 device=device, train_ms=1000 * train, kmv=kmv / train, first_kmv=first / train,
                 jt=times["jt"] / train, j=times["j"] / train, jt_over_j=times["jt"] / times["j"],
@@ -105,15 +115,19 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--clip", action="store_true", help="the guard's operator: clipped at the median norm")
+    parser.add_argument("--precision", default="ieee",
+                        help="comma-separated: ieee (the guard's), tf32 (TF32 allowed in the products; CUDA only)")
     args = parser.parse_args()
     rows = []
     for name in args.models.split(","):
         for batch in (int(b) for b in args.batch.split(",")):
             for products in args.paths.split(","):
-                row = in_child(_measure, name, batch, products, args.device, args.repeats, args.clip)
-                rows.append(row)
-                print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-    _, table = study_paths("bench_operator_products" + ("_clip" if args.clip else ""))
+                for precision in args.precision.split(","):
+                    row = in_child(_measure, name, batch, products, args.device, args.repeats, args.clip, precision)
+                    rows.append(row)
+                    print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    suffix = ("_clip" if args.clip else "") + ("_tf32" if "tf32" in args.precision else "")
+    _, table = study_paths("bench_operator_products" + suffix)
     print(write_table(rows, table))
 
 

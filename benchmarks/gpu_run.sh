@@ -36,6 +36,11 @@ part guard_resnet18_median "${LIMIT_R18:-240}" results/bench_guard_models.csv \
     --guard clip_per_sample=median
 part guard_small "${LIMIT_SMALL:-100}" results/bench_guard_models.csv \
     python3 bench_guard_models.py --device cuda --models cnn,resnet20_gn --batch 32 --steps 10
+part products_tf32 "${LIMIT_TF32:-90}" results/bench_operator_products_clip_tf32.csv \
+    python3 bench_operator_products.py --device cuda --models resnet18_gn,cnn --batch 32 --paths cached --clip \
+    --precision ieee,tf32 --repeats 5
+# products_tf32: the clipped operator's products in the guard's IEEE float32 and with TF32 allowed (which the
+# certificate does not allow), to say what IEEE float32 costs on the card.
 # guard_resnet18_eigen and guard_resnet18_median: auto's former fallback (eigen, 64 Lanczos steps; resolvent since
 # 2026-11-26) and the former clip level (the median; "retention" since 2026-11-26) beside the defaults, on the same
 # card in the same call. PARTS=all adds: the operator's products alone; the cached pullbacks on the guard's path (1.9x cheaper per K product on an H200, but rebuilt

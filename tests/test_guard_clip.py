@@ -27,7 +27,11 @@ def _problem(batch: int = 3, seed: int = 0):
     return tiny_conv_problem(batch, seed)
 
 
-def _upload(model, y, clip):
+def _upload(model, y, clip, clipped=None):
+    """x ↦ (1/B) Σ_i clip_C(g_i(x_i)). ``clipped`` (one bool per sample) fixes each sample's branch, as the guard
+    decides it (clipped iff ‖g_i‖ > C, from the norms C was taken from): a clip level at the median is one sample's
+    own norm, and ``clamp(C/‖g‖, max=1)`` would pick that sample's branch by the last bit of a norm recomputed
+    here (PyTorch 2.11 and 2.14 picked differently)."""
     names = [n for n, _ in model.named_parameters()]
     params = {n: p.detach() for n, p in model.named_parameters()}
 
@@ -36,13 +40,18 @@ def _upload(model, y, clip):
         for i in range(x.shape[0]):
             tree = grad(lambda p: nn.functional.cross_entropy(functional_call(model, p, x[i:i + 1]), y[i:i + 1]))(params)
             g = torch.cat([tree[n].reshape(-1) for n in names])
-            out = out + g * torch.clamp(clip / g.norm(), max=1.0)
+            if clipped is None:
+                out = out + g * torch.clamp(clip / g.norm(), max=1.0)
+            else:
+                out = out + (g * (clip / g.norm()) if bool(clipped[i]) else g)
         return out / x.shape[0]
     return upload
 
 
 def _dense(model, x, y, clip):
-    upload = _upload(model, y, clip)
+    """The clipped upload's dense Jacobian [B, dx, dθ] and value, each sample's branch as the guard decides it."""
+    clipped = JacobianOperator(model, x, y).per_sample_gradients().norm(dim=1) > clip
+    upload = _upload(model, y, clip, clipped)
     jac = torch.autograd.functional.jacobian(upload, x)  # [dθ, B, ...]
     return jac.reshape(jac.shape[0], x.shape[0], -1).permute(1, 2, 0), upload(x)  # [B, dx, dθ]
 

@@ -76,20 +76,24 @@ def test_a_batchnorm_switched_on_after_wrapping_is_refused_at_the_step():
     assert all(p.grad is None for p in model.parameters())
 
 
-def _clipped_upload_jacobians(model, x, y, clip):
+def _clipped_upload_jacobians(model, x, y, clip, clipped):
     """Dense J̄_i [dx, dθ] of sample i's clipped term (1/B)·clip_C(∇θℓ(x_i)), C fixed: forward-mode
-    columns (one per input coordinate) of the plain per-sample gradient map, written independently."""
+    columns (one per input coordinate) of the plain per-sample gradient map, written independently. ``clipped``
+    (one bool per sample) fixes each sample's branch as the guard decides it (clipped iff ‖g_i‖ > C): at a median
+    clip level one sample's norm is C itself, and ``clamp(C/‖g‖, max=1)`` would pick its branch by the last bit of
+    the norm recomputed here (PyTorch 2.11 and 2.14 picked differently)."""
     from torch.func import functional_call, grad, jacfwd
 
     params = {n: p.detach() for n, p in model.named_parameters()}
 
-    def term(xi, yi):
+    def term(xi, yi, is_clipped):
         loss = lambda ps: nn.functional.cross_entropy(functional_call(model, ps, (xi.unsqueeze(0),)),  # noqa: E731
                                                       yi.unsqueeze(0))
         g = torch.cat([t.reshape(-1) for t in grad(loss)(params).values()])
-        return g * torch.clamp(clip / g.norm(), max=1.0) / len(x)
+        return (g * (clip / g.norm()) if is_clipped else g) / len(x)
 
-    return torch.stack([jacfwd(term)(x[i].contiguous(), y[i]).reshape(-1, x[i].numel()).T for i in range(len(x))])
+    return torch.stack([jacfwd(lambda xi: term(xi, y[i], bool(clipped[i])))(x[i].contiguous()).reshape(
+        -1, x[i].numel()).T for i in range(len(x))])
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -140,7 +144,7 @@ def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f(def
     kept = torch.isfinite(report.rmse_after).cpu()
     factor = torch.clamp(clip / norms, max=1.0)
     noise = sent - (per * factor.unsqueeze(1))[kept].sum(0) / len(x)
-    jac = _clipped_upload_jacobians(model, x, y, clip)
+    jac = _clipped_upload_jacobians(model, x, y, clip, norms > clip)
     kernel = jac @ jac.transpose(1, 2)
     lam = torch.linalg.eigvalsh(kernel)[:, -1]
     eps = config.eps * lam

@@ -69,7 +69,11 @@ def _measure(name: str, batch: int, products: str, device: str, repeats: int, cl
     if precision == "tf32":
         precision_module.ieee_float32 = contextlib.nullcontext
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
-    path = "direct" if products == "direct-cpu-chunks" else products
+    from flguard.risk import operator as operator_module
+
+    # "cached-transposed": the cached pullbacks with convolutions' input gradients as transposed convolutions
+    operator_module.CACHED_TRANSPOSED_INPUT_GRADS = products == "cached-transposed"
+    path = {"direct-cpu-chunks": "direct", "cached-transposed": "cached"}.get(products, products)
     if products == "direct-cpu-chunks":  # the direct path in the CPU's chunks on any device (a GPU's baseline)
         sizing.CUDA_CHUNK_SHARE = 0.0
     torch.manual_seed(0)
@@ -110,8 +114,9 @@ def main() -> None:
     parser.add_argument("--models", default="cnn,resnet20_gn,resnet18_gn")
     parser.add_argument("--batch", default="8,32", help="batch sizes, comma-separated")
     parser.add_argument("--paths", default="cached,direct,auto",
-                        help="product paths, comma-separated: cached, direct, auto, or direct-cpu-chunks (the "
-                             "direct path in the CPU's chunks of samples, on a GPU too)")
+                        help="product paths, comma-separated: cached, direct, auto, direct-cpu-chunks (the "
+                             "direct path in the CPU's chunks of samples, on a GPU too), or cached-transposed (the "
+                             "cached pullbacks with convolutions' input gradients as transposed convolutions)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--clip", action="store_true", help="the guard's operator: clipped at the median norm")

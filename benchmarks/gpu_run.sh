@@ -48,6 +48,17 @@ part products_tf32 "${LIMIT_TF32:-90}" results/bench_operator_products_clip_tf32
 # (what each of auto's two kinds costs there); and the quickstart CNN's launch-bound round with its K products
 # eager and through CUDA graphs (torch.compile's reduce-overhead; compiled products' outputs are copied since
 # 04cc31f). SKIP="name …" leaves parts out.
+# PARTS=transposed: the cached Jᵀ pullback built with convolutions' input gradients as transposed convolutions
+# (CACHED_TRANSPOSED_INPUT_GRADS) against PyTorch's own nodes: the clipped products, then ResNet-18-GN's round.
+if [ "${PARTS:-}" = transposed ]; then
+part products_transposed "${LIMIT_OPS:-120}" results/bench_operator_products_clip.csv \
+    python3 bench_operator_products.py --device cuda --models resnet18_gn,resnet20_gn,cnn --batch 32 \
+    --paths cached,cached-transposed --clip --repeats 5
+for t in off on; do
+part "guard_resnet18_transposed_$t" "${LIMIT_R18T:-80}" results/bench_guard_models.csv \
+    python3 bench_guard_models.py --device cuda --models resnet18_gn --batch 32 --steps "${R18_STEPS:-6}" --transposed "$t"
+done
+fi
 if [ "${PARTS:-}" = all ]; then
 part products_resnet18 "${LIMIT_OPS:-80}" results/bench_operator_products.csv \
     python3 bench_operator_products.py --device cuda --models resnet18_gn --batch 32 --paths cached,direct,direct-cpu-chunks

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from flguard.risk import sample_autograd
+from flguard.risk import operator, sample_autograd
+from flguard.risk.clipped import ClippedJacobian
 from flguard.risk.operator import JacobianOperator
 from flguard.risk.transposed_input_grads import InputOnly, transposed_input_grads
 from risk_reference import dense_jacobians
@@ -45,6 +46,37 @@ def test_one_at_a_time_products_match_the_dense_jacobian(setting):
     torch.testing.assert_close(op.jt(u)[:, 0], want_jt, rtol=1e-9, atol=1e-12)
     want_k = torch.einsum("bap,bp->ba", jac, want_jt)
     torch.testing.assert_close(op.kmv(u)[:, 0], want_k, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("setting", ["stride 2, even height", "groups 2, no bias", "5×3, stride (2, 1), reflect"])
+def test_cached_pullbacks_built_with_transposed_input_grads_match_the_dense_jacobian(setting, monkeypatch):
+    """The opt-in ``CACHED_TRANSPOSED_INPUT_GRADS``: the cached (vmapped) Jᵀ pullback built through the rerouted
+    convolutions (the function's generated vmap rule) — one and two vectors per sample, the K product, the clipped
+    K product — against the dense float64 Jacobian."""
+    monkeypatch.setattr(operator, "CACHED_TRANSPOSED_INPUT_GRADS", True)
+    model = _model(CONVS[setting])
+    torch.manual_seed(1)
+    x = torch.randn(3, 3, 8, 9, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    y = torch.tensor([0, 2, 1])
+    jac, _ = dense_jacobians(model, x, y)
+    op = JacobianOperator(model, x, y, products="cached")
+    assert not op.direct
+    u = torch.randn(3, 2, op.dx, dtype=torch.float64)
+    want_jt = torch.einsum("bap,bka->bkp", jac, u)
+    torch.testing.assert_close(op.jt(u[:, :1]), want_jt[:, :1], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(op.jt(u), want_jt, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(op.kmv(u), torch.einsum("bap,bkp->bka", jac, want_jt), rtol=1e-9, atol=1e-12)
+    # clipped at the median norm: the middle sample sits at C, unclipped by the guard's rule (‖g_i‖ > C clips)
+    per = op.per_sample_gradients()
+    norms = per.norm(dim=1)
+    clip = float(norms.median())
+    clipped = ClippedJacobian(op, clip)
+    s = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
+    unit = torch.where((norms > clip).unsqueeze(1), per / norms.unsqueeze(1), torch.zeros_like(per))
+    proj = s.view(-1, 1, 1) * (torch.eye(op.dtheta, dtype=torch.float64) - unit.unsqueeze(2) * unit.unsqueeze(1))
+    bar = jac @ proj  # [B, dx, dθ]: J_i s_i(I − ĝ_iĝ_iᵀ) (J_i in the batch loss's scale)
+    want_k = torch.einsum("bap,bcp,bkc->bka", bar, bar, u)
+    torch.testing.assert_close(clipped.kmv(u), want_k, rtol=1e-9, atol=1e-12)
 
 
 def test_the_convolutions_are_rerouted_and_the_first_pass_skips_the_weights():

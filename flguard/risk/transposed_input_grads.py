@@ -50,13 +50,19 @@ class _Conv2d(torch.autograd.Function):
     """y = conv2d(x, W, b), its input gradient recorded as ``conv_transpose2d`` (differentiable again by ordinary
     convolution gradients), its weight and bias gradients as PyTorch's own."""
 
+    generate_vmap_rule = True  # under ``torch.func`` transforms (the cached pullbacks): forward and backward vmapped
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any,
+    def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any,
                 padding: Any, dilation: Any, groups: int, input_only: InputOnly) -> torch.Tensor:
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        x, weight, bias, stride, padding, dilation, groups, input_only = inputs
         ctx.save_for_backward(x, weight)
         ctx.settings = (_pair(stride), _pair(padding), _pair(dilation), groups)
         ctx.input_only, ctx.has_bias = input_only, bias is not None
-        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

@@ -110,17 +110,21 @@ def _accuracy(model, x, y) -> float:
 
 
 def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, device: str, seed: int,
-           settings: dict, products: str = "auto", compile_mode: str | None = None, transposed: str = "default") -> dict:
+           settings: dict, products: str = "auto", compile_mode: str | None = None, transposed: str = "default",
+           shrink: str = "default") -> dict:
     """One local round in this (child) process; its measurements and this process's peak RSS. ``products``:
     the operator's path, "auto" (its own choice) or forced "cached" / "direct" (``CACHED_UP_TO`` set here);
     ``compile_mode``: the K products through ``torch.compile`` in this mode (``COMPILE_PRODUCTS``); ``transposed``
     "on"/"off": the cached Jᵀ pullback built with convolutions' input gradients as transposed convolutions or not
-    (``CACHED_TRANSPOSED_INPUT_GRADS``; "default": as shipped)."""
+    (``CACHED_TRANSPOSED_INPUT_GRADS``; "default": as shipped); ``shrink`` "on"/"off": the solves' products on their
+    still-iterating samples or on the whole batch (``SHRINK_TO_ACTIVE``; "default": as shipped)."""
     from flguard import GuardConfig, GuardFailure, make_guarded
     from flguard.risk import operator, regularised, sizing
 
     if transposed != "default":
         operator.CACHED_TRANSPOSED_INPUT_GRADS = transposed == "on"
+    if shrink != "default":
+        regularised.SHRINK_TO_ACTIVE = shrink == "on"
 
     if products != "auto":
         sizing.CACHED_UP_TO = 2 ** 62 if products == "cached" else 0
@@ -192,6 +196,9 @@ def main() -> None:
     parser.add_argument("--transposed", choices=["default", "on", "off"], default="default",
                         help="the cached Jᵀ pullback with convolutions' input gradients as transposed convolutions "
                              "(CACHED_TRANSPOSED_INPUT_GRADS) or not; default: as shipped")
+    parser.add_argument("--shrink", choices=["default", "on", "off"], default="default",
+                        help="the solves' products on their still-iterating samples (SHRINK_TO_ACTIVE) or on the "
+                             "whole batch; default: as shipped")
     parser.add_argument("--guard", nargs="*", default=[], metavar="FIELD=VALUE",
                         help="GuardConfig fields beyond the normalisation (default: none, i.e. the defaults), "
                              "e.g. clip_per_sample=median max_rel_noise=40 max_excluded=0.25 rtol=0.01")
@@ -202,7 +209,7 @@ def main() -> None:
         for batch in (int(b) for b in args.batch.split(",")):
             plain = in_child(_round, name, batch, args.steps, args.train_steps, False, args.device, args.seed, settings)
             guard = in_child(_round, name, batch, args.steps, args.train_steps, True, args.device, args.seed, settings,
-                             args.products, args.compile_mode, args.transposed)
+                             args.products, args.compile_mode, args.transposed, args.shrink)
             row = dict(model=name, guard=" ".join(args.guard) or "defaults", params=plain["params"], B=batch, steps=args.steps, device=args.device,
                        train_ms=plain["ms"], guard_ms=guard["ms"], ratio=guard["ms"] / plain["ms"],
                        train_ms_here=guard["here_ms"], ratio_here=guard["ms"] / guard["here_ms"],
@@ -218,6 +225,8 @@ def main() -> None:
                 row["compile_mode"] = args.compile_mode
             if args.transposed != "default":
                 row["transposed"] = args.transposed
+            if args.shrink != "default":
+                row["shrink"] = args.shrink
             if guard["gpu_gb"] is not None:  # on a CUDA device: the peak of its allocator, each round's own
                 row.update(gpu_train_gb=plain["gpu_gb"], gpu_guard_gb=guard["gpu_gb"])
             rows.append(row)

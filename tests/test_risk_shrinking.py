@@ -64,6 +64,33 @@ def test_shrinking_products_rebuild_at_half_and_count_batch_equivalents():
         assert op.applications - before == pytest.approx(2 * carried / 8)
 
 
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_shrinking_products_on_the_direct_path_carry_exactly_the_rows_asked_for(one_at_a_time):
+    """On the direct path a restricted copy builds nothing and a zero row costs a product like any other (one
+    sample at a time, as a ResNet-18's on a CPU): S is always the rows asked for, never padded — against the
+    dense K_i, and counted as that many samples' products."""
+    model, x, y = _problem(batch=8)
+    jac, _ = dense_jacobians(model, x, y)
+    kernel = jac @ jac.transpose(1, 2)
+    op = JacobianOperator(model, x, y, products="direct")
+    op.sample_chunk = 1 if one_at_a_time else 2
+    assert op.direct and op.one_at_a_time == one_at_a_time
+    clipped = ClippedJacobian(op, clip=float(op.per_sample_gradients().norm(dim=1).median()))
+    products = ShrinkingProducts(clipped)
+    gen = torch.Generator().manual_seed(2)
+    plain = ShrinkingProducts(JacobianOperator(model, x, y, products="direct"))
+    for rows in (torch.arange(8), torch.tensor([0, 2, 3, 5, 7]), torch.tensor([2, 3, 5, 7]), torch.tensor([5]),
+                 torch.tensor([1, 5])):
+        u = torch.randn(rows.numel(), op.dx, generator=gen, dtype=torch.float64)
+        full = clipped.kmv(torch.zeros(8, 1, op.dx, dtype=torch.float64).index_copy(0, rows, u.unsqueeze(1)))
+        before, plain_before = op.applications, plain.op.applications
+        torch.testing.assert_close(plain(u, rows), torch.einsum("bij,bj->bi", kernel[rows], u), rtol=1e-10, atol=1e-14)
+        torch.testing.assert_close(products(u, rows), full[rows, 0], rtol=1e-10, atol=1e-14)
+        assert torch.equal(products.rows, rows) and torch.equal(plain.rows, rows)  # 5 of 8: not carried on the 8
+        assert plain.op.applications - plain_before == pytest.approx(2 * rows.numel() / 8)
+        assert op.applications - before == pytest.approx(2 * rows.numel() / 8)
+
+
 @pytest.mark.parametrize("solver", ["cg", "pcg"])
 def test_solves_with_shrinking_products_match_dense_solves_and_cost_less(monkeypatch, solver):
     """The same iterates on fewer sample-products: solutions within the certified bound of the dense

@@ -43,9 +43,12 @@ class ShrinkingProducts:
     for, rebuilt for exactly those rows once they are at most half of S — a rebuild costs about
     two products of the new size, so halving keeps all rebuilds below about two full products.
     S starts as the whole batch on ``op`` itself (whose pullbacks the Lanczos run already built).
-    Rows of S not asked for are carried as zeros. The parent's ``applications`` grows by the
-    sub-products' applications × |S|/B: the count stays in whole-batch products. Partial products
-    run eagerly (``COMPILE_PRODUCTS`` compiles the whole-batch ones only).
+    Rows of S not asked for are carried as zeros. On the direct path (``JacobianOperator.direct``:
+    a ResNet-18 on a CPU) a restricted copy builds nothing and a product costs each sample it
+    carries — one at a time, a zero row as much as any — so there S is always exactly the rows
+    asked for. The parent's ``applications`` grows by the sub-products' applications × |S|/B: the
+    count stays in whole-batch products. Partial products run eagerly (``COMPILE_PRODUCTS``
+    compiles the whole-batch ones only).
     """
 
     def __init__(self, op: Jacobian) -> None:
@@ -55,7 +58,7 @@ class ShrinkingProducts:
 
     def __call__(self, u: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """K_i u_i for the samples ``rows`` (ascending indices [r]), u [r, dx] → [r, dx]."""
-        if 2 * rows.numel() <= self.rows.numel() or not self._holds(rows):
+        if self._rebuild(rows):
             self.rows, self.sub = rows.clone(), self.op.restricted(rows)
         at = torch.searchsorted(self.rows, rows)
         padded = u if at.numel() == self.rows.numel() else u.new_zeros(self.rows.numel(), u.shape[1]).index_copy(0, at, u)
@@ -65,6 +68,15 @@ class ShrinkingProducts:
         if self.sub is not self.op:  # the whole-batch operator counts its own applications
             base_operator(self.op).applications += (counter.applications - before) * self.rows.numel() / self.op.batch_size
         return out[at]
+
+    def _rebuild(self, rows: torch.Tensor) -> bool:
+        """Whether to take the products on a sub-operator of exactly ``rows``: where S does not hold them, where they
+        are at most half of S, and on the direct path wherever they are fewer than S (nothing to rebuild there)."""
+        if not self._holds(rows):
+            return True
+        if base_operator(self.op).direct:
+            return rows.numel() < self.rows.numel()
+        return 2 * rows.numel() <= self.rows.numel()
 
     def _holds(self, rows: torch.Tensor) -> bool:
         """Whether every row asked for is in S (a mask over the batch: ``torch.isin`` sorts, 1 ms a call on a CPU)."""

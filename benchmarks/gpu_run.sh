@@ -59,6 +59,17 @@ part "guard_resnet18_transposed_$t" "${LIMIT_R18T:-80}" results/bench_guard_mode
     python3 bench_guard_models.py --device cuda --models resnet18_gn --batch 32 --steps "${R18_STEPS:-6}" --transposed "$t"
 done
 fi
+# PARTS=shrink: the solves' products on their still-iterating samples (SHRINK_TO_ACTIVE) against the whole batch on
+# the cached path, where each shrink rebuilds both pullbacks (docs/results.md, "Shrinking products").
+if [ "${PARTS:-}" = shrink ]; then
+for m in on off; do
+part "guard_resnet18_shrink_$m" "${LIMIT_R18S:-80}" results/bench_guard_models.csv \
+    python3 bench_guard_models.py --device cuda --models resnet18_gn --batch 32 --steps "${R18_STEPS:-6}" --shrink "$m" \
+    --guard seed=1
+part "guard_cnn_shrink_$m" "${LIMIT_CNNS:-60}" results/bench_guard_models.csv \
+    python3 bench_guard_models.py --device cuda --models cnn --batch 32 --steps 20 --shrink "$m" --guard seed=1
+done
+fi
 if [ "${PARTS:-}" = all ]; then
 part products_resnet18 "${LIMIT_OPS:-80}" results/bench_operator_products.csv \
     python3 bench_operator_products.py --device cuda --models resnet18_gn --batch 32 --paths cached,direct,direct-cpu-chunks

@@ -54,6 +54,12 @@ def test_cached_pullbacks_built_with_transposed_input_grads_match_the_dense_jaco
     convolutions (the function's generated vmap rule) — one and two vectors per sample, the K product, the clipped
     K product — against the dense float64 Jacobian."""
     monkeypatch.setattr(operator, "CACHED_TRANSPOSED_INPUT_GRADS", True)
+    entered = []
+
+    def recorded(input_only):
+        entered.append(input_only)
+        return transposed_input_grads(input_only)
+    monkeypatch.setattr(operator, "transposed_input_grads", recorded)
     model = _model(CONVS[setting])
     torch.manual_seed(1)
     x = torch.randn(3, 3, 8, 9, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
@@ -64,15 +70,21 @@ def test_cached_pullbacks_built_with_transposed_input_grads_match_the_dense_jaco
     u = torch.randn(3, 2, op.dx, dtype=torch.float64)
     want_jt = torch.einsum("bap,bka->bkp", jac, u)
     torch.testing.assert_close(op.jt(u[:, :1]), want_jt[:, :1], rtol=1e-9, atol=1e-12)
+    assert len(entered) == 1  # the pullback was built through the rerouted convolutions, once
     torch.testing.assert_close(op.jt(u), want_jt, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(op.kmv(u), torch.einsum("bap,bkp->bka", jac, want_jt), rtol=1e-9, atol=1e-12)
-    # clipped at the median norm: the middle sample sits at C, unclipped by the guard's rule (‖g_i‖ > C clips)
-    per = op.per_sample_gradients()
+    # clipped at the median of the operator's norms, as the guard clips: the middle sample sits at C, unclipped by the
+    # guard's rule (‖g_i‖ > C clips, from the norms C came from); the reference's gradients by plain autograd
+    guard_norms = op.per_sample_gradients().norm(dim=1)
+    clip = float(guard_norms.median())
+    clipped, branch = ClippedJacobian(op, clip), guard_norms > clip
+    params = list(model.parameters())
+    per = torch.stack([torch.cat([t.reshape(-1) for t in torch.autograd.grad(
+        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params)]) for i in range(3)])
     norms = per.norm(dim=1)
-    clip = float(norms.median())
-    clipped = ClippedJacobian(op, clip)
-    s = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
-    unit = torch.where((norms > clip).unsqueeze(1), per / norms.unsqueeze(1), torch.zeros_like(per))
+    assert int(branch.sum()) == 1
+    s = torch.where(branch, clip / norms, torch.ones_like(norms))
+    unit = torch.where(branch.unsqueeze(1), per / norms.unsqueeze(1), torch.zeros_like(per))
     proj = s.view(-1, 1, 1) * (torch.eye(op.dtheta, dtype=torch.float64) - unit.unsqueeze(2) * unit.unsqueeze(1))
     bar = jac @ proj  # [B, dx, dθ]: J_i s_i(I − ĝ_iĝ_iᵀ) (J_i in the batch loss's scale)
     want_k = torch.einsum("bap,bcp,bkc->bka", bar, bar, u)

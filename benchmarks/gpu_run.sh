@@ -59,9 +59,12 @@ part "guard_resnet18_transposed_$t" "${LIMIT_R18T:-80}" results/bench_guard_mode
     python3 bench_guard_models.py --device cuda --models resnet18_gn --batch 32 --steps "${R18_STEPS:-6}" --transposed "$t"
 done
 fi
-# PARTS=shrink: the solves' products on their still-iterating samples (SHRINK_TO_ACTIVE) against the whole batch on
-# the cached path, where each shrink rebuilds both pullbacks (docs/results.md, "Shrinking products").
-if [ "${PARTS:-}" = shrink ]; then
+# PARTS=overhead: where a ResNet-18-GN step's time goes beyond its products (a profile of two steps, printed to the
+# log), then the solves' products on their still-iterating samples (SHRINK_TO_ACTIVE) against the whole batch on the
+# cached path, where each shrink rebuilds both pullbacks (docs/results.md, "Shrinking products"), the noise seeded.
+if [ "${PARTS:-}" = overhead ]; then
+part profile_resnet18 "${LIMIT_PROFILE:-90}" - \
+    python3 profile_guard_step.py --device cuda --model resnet18_gn --batch 32
 for m in on off; do
 part "guard_resnet18_shrink_$m" "${LIMIT_R18S:-80}" results/bench_guard_models.csv \
     python3 bench_guard_models.py --device cuda --models resnet18_gn --batch 32 --steps "${R18_STEPS:-6}" --shrink "$m" \

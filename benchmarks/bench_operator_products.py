@@ -60,17 +60,14 @@ def _measure(name: str, batch: int, products: str, device: str, repeats: int, cl
     the products with TF32 allowed (a measurement only: the certificate needs IEEE float32)."""
     import contextlib
 
-    from flguard.risk import precision as precision_module
     from flguard.models import create
-    from flguard.risk import sizing
+    from flguard.risk import operator as operator_module, precision as precision_module, sizing
     from flguard.risk.clipped import ClippedJacobian
     from flguard.risk.operator import JacobianOperator
 
     if precision == "tf32":
         precision_module.ieee_float32 = contextlib.nullcontext
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
-    from flguard.risk import operator as operator_module
-
     # "cached-transposed": the cached pullbacks with convolutions' input gradients as transposed convolutions
     operator_module.CACHED_TRANSPOSED_INPUT_GRADS = products == "cached-transposed"
     path = {"direct-cpu-chunks": "direct", "cached-transposed": "cached"}.get(products, products)

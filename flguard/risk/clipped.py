@@ -18,7 +18,8 @@ from flguard.risk.operator import JacobianOperator
 #: ``benchmarks/bench_clip_projection.py``, when it still projected in the parameter space — it now corrects in the
 #: input space, ``ClippedJacobian.kmv``; ``j`` and ``jt`` project) but hold a temporary the size of w, which the
 #: GEMV does not (1.4 GB for a ResNet-18's cached products at B = 32 on a GPU); the update w − a_i g_i is an
-#: ``addcmul`` either way (1.5× a ``baddbmm``'s speed, no temporary). For k > 1 vectors per sample the GEMMs are the faster form.
+#: ``addcmul`` either way (1.5× a ``baddbmm``'s speed, no temporary). For k > 1 vectors per sample the GEMMs are the
+#: faster form.
 DOT_PROJECTION_UP_TO = 2 ** 24
 
 

@@ -265,11 +265,15 @@ class JacobianOperator(DirectProducts):
                 loss = lambda z: self.loss_fn(self._forward(params, z.unsqueeze(0)), yi.unsqueeze(0))  # noqa: E731
                 return grad(loss)(xi).reshape(-1)
             per_sample = {n: p.unsqueeze(0).expand(self.batch_size, *p.shape) for n, p in self.params.items()}
-            input_only = InputOnly()  # the build's inner gradient is to the input only; the pullback's, to both
-            with (transposed_input_grads(input_only) if CACHED_TRANSPOSED_INPUT_GRADS else contextlib.nullcontext()), \
-                    input_only():
-                _, self._cached_transpose = vjp(lambda params: vmap(input_gradient)(params, self.x, self.y),
-                                                per_sample)
+
+            def build() -> Callable:
+                return vjp(lambda params: vmap(input_gradient)(params, self.x, self.y), per_sample)[1]
+            if CACHED_TRANSPOSED_INPUT_GRADS:
+                input_only = InputOnly()  # the build's inner gradient is to the input only; the pullback's, to both
+                with transposed_input_grads(input_only), input_only():
+                    self._cached_transpose = build()
+            else:
+                self._cached_transpose = build()
         return self._cached_transpose
 
     def _flat_rows(self, tree: dict[str, torch.Tensor]) -> torch.Tensor:

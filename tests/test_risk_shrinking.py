@@ -91,6 +91,28 @@ def test_shrinking_products_on_the_direct_path_carry_exactly_the_rows_asked_for(
         assert op.applications - before == pytest.approx(2 * rows.numel() / 8)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shrinking_products_on_a_cuda_cached_path_keep_the_whole_batch():
+    """On a GPU's cached path a product is launch-bound, so S stays the whole batch (rows not asked for carried as
+    zeros, nothing rebuilt) — against the dense K_i, each product counted as a whole-batch one (on a CPU's cached
+    path the same rows shrink at half: ``test_shrinking_products_rebuild_at_half_and_count_batch_equivalents``)."""
+    model, x, y = _problem(batch=8)
+    jac, _ = dense_jacobians(model, x, y)
+    kernel = (jac @ jac.transpose(1, 2)).cuda()
+    op = JacobianOperator(model.cuda(), x.cuda(), y.cuda())
+    assert not op.direct and op.device.type == "cuda"
+    products = ShrinkingProducts(op)
+    gen = torch.Generator().manual_seed(2)
+    for rows in (torch.arange(8), torch.tensor([0, 2, 3, 5, 7]), torch.tensor([2, 5]), torch.tensor([5])):
+        rows = rows.cuda()
+        u = torch.randn(rows.numel(), op.dx, generator=gen, dtype=torch.float64).cuda()
+        before = op.applications
+        torch.testing.assert_close(products(u, rows), torch.einsum("bij,bj->bi", kernel[rows], u),
+                                   rtol=1e-10, atol=1e-14)
+        assert products.sub is op and products.rows.numel() == 8
+        assert op.applications - before == pytest.approx(2)
+
+
 @pytest.mark.parametrize("solver", ["cg", "pcg"])
 def test_solves_with_shrinking_products_match_dense_solves_and_cost_less(monkeypatch, solver):
     """The same iterates on fewer sample-products: solutions within the certified bound of the dense

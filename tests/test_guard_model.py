@@ -137,6 +137,12 @@ def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f(def
     report = optimizer.guard_reports[0]
     assert report.met
     model.cpu()
+    _assert_certified_on_dense_float64(model, x, y, config, report)
+
+
+def _assert_certified_on_dense_float64(model, x, y, config, report):
+    """The noise in the model's ``.grad`` (the sent update less the kept samples' clipped gradients at the median
+    clip level) gives every kept sample a dense-recomputed, box-clipped I²F RMSE ≥ τ, and the report agrees."""
     sent = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     per = JacobianOperator(model, x, y).per_sample_gradients()
     norms = per.norm(dim=1)
@@ -157,6 +163,34 @@ def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f(def
     rmse = moved.flatten(1).norm(dim=1) / math.sqrt(shift.shape[1])
     assert bool((rmse[kept] >= config.floor).all()), (rmse, config.floor)
     assert_reported_rmse(report, rmse, rtol=3 * config.rtol, where=kept)
+
+
+def test_a_small_vision_transformer_is_guarded_and_certified_against_dense_float64_i2f():
+    """torchvision's VisionTransformer (patch convolution, class token, LayerNorm, nn.MultiheadAttention, GELU MLP)
+    through make_guarded: its attention's default CPU kernel (flash) has no second derivative, so every step was
+    withheld; the guard's forward runs attention on PyTorch's math kernel (``flguard.risk.functional``), and the
+    noise sent certifies every kept sample against dense float64 I²F (the reference's double derivatives on the
+    math kernel too, which autograd and forward mode both differentiate)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    vision_transformer = pytest.importorskip("torchvision.models.vision_transformer")
+    torch.manual_seed(0)
+    model = vision_transformer.VisionTransformer(image_size=6, patch_size=3, num_layers=1, num_heads=2, hidden_dim=8,
+                                                 mlp_dim=16, num_classes=10).double()
+    x = (torch.rand(4, 3, 6, 6, dtype=torch.float64) - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(
+        STD).view(1, 3, 1, 1)
+    y = torch.tensor([0, 3, 5, 7])
+    config = GuardConfig(pixel_mean=MEAN, pixel_std=STD, seed=3, clip_per_sample="median", max_excluded=0.25,
+                         max_rel_noise=40.0, rtol=1e-2)
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                                               nn.CrossEntropyLoss(), config)
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()  # the user's own step: the default kernel
+    optimizer.step()
+    report = optimizer.guard_reports[0]
+    assert report.met, report.reason
+    with sdpa_kernel(SDPBackend.MATH):
+        _assert_certified_on_dense_float64(model, x, y, config, report)
 
 
 def test_channels_last_float32_is_computed_on_contiguous_inputs():

@@ -11,7 +11,9 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import grad, vmap
+
+from flguard.risk.functional import functional_forward
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -154,7 +156,7 @@ class GradientObserver:
         self._leaves = {n: p.clone().requires_grad_(True) for n, p in self.params.items()}
 
     def forward(self, params: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
-        return functional_call(self.model, ({**params, **self.buffers},), (inputs,))
+        return functional_forward(self.model, ({**params, **self.buffers},), inputs)
 
     def gradient(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
                  functional: bool) -> dict[str, torch.Tensor]:

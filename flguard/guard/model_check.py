@@ -9,7 +9,11 @@ sample i alone only when the forward pass treats samples independently and deter
   buffers that a Flower client sends with the parameters, unguarded. The fix is the one Opacus
   makes (``ModuleValidator.fix``): GroupNorm with the same channels, per-sample by construction.
 * **train-mode Dropout** multiplies by a random mask: the Jacobian of a random map is not a
-  property of the sample, and the guard's recomputed gradient would not be the one sent.
+  property of the sample, and the guard's recomputed gradient would not be the one sent. The same
+  holds for every layer that drops at random while training: torchvision's ``StochasticDepth``
+  (in its EfficientNets and ConvNeXts), timm's ``DropPath`` and ``DropBlock2d``, and the attention
+  dropout of ``nn.MultiheadAttention`` — found by their drop probability, so a layer with it at 0
+  passes.
 * **InstanceNorm with running statistics** is per-sample in its forward pass but updates its
   running buffers from the batch in train mode: the same unguarded side channel as BatchNorm's.
 
@@ -65,11 +69,27 @@ def model_problems(model: nn.Module) -> list[tuple[str, str]]:
             problems.append(("instancenorm", f"{where}: {type(module).__name__} with track_running_stats=True "
                              "updates its running statistics from the batch, unguarded; fix: "
                              "track_running_stats=False"))
-        elif isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
-            problems.append(("dropout", f"{where}: {type(module).__name__}(p={module.p}) in train mode multiplies "
-                             "by a random mask, so the per-sample Jacobian is undefined and the gradient cannot be "
-                             "reproduced; fix: remove it or call .eval() on it"))
+        elif module.training and (drop := _random_drop(module))[1] > 0:
+            problems.append(("dropout", f"{where}: {type(module).__name__}({drop[0]}={drop[1]:.3g}) in train mode drops "
+                             "at random, so the per-sample Jacobian is undefined and the gradient cannot be "
+                             "reproduced; fix: remove it, set its probability to 0, or call .eval() on it"))
     return problems
+
+
+#: Layers that drop at random while training, by class name (torchvision's and timm's are not subclasses of
+#: PyTorch's dropout), with the attribute that holds their probability.
+DROP_ATTRIBUTE = {"StochasticDepth": "p", "DropPath": "drop_prob", "DropBlock2d": "drop_prob",
+                  "MultiheadAttention": "dropout"}
+
+
+def _random_drop(module: nn.Module) -> tuple[str, float]:
+    """(attribute, probability) with which ``module`` drops at random in train mode; probability 0 for a layer that
+    never does."""
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return "p", float(module.p)
+    attribute = DROP_ATTRIBUTE.get(type(module).__name__, "")
+    value = getattr(module, attribute, 0.0) if attribute else 0.0
+    return attribute, float(value) if isinstance(value, (int, float)) else 0.0
 
 
 def check_model(model: nn.Module) -> list[str]:
@@ -123,4 +143,4 @@ def fix_model(model: nn.Module) -> nn.Module:
 
 
 __all__ = ["check_model", "fix_model", "model_problems", "require_supported", "UnsupportedModel", "MAX_GROUPS",
-           "STRUCTURAL"]
+           "STRUCTURAL", "DROP_ATTRIBUTE"]

@@ -237,8 +237,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if not gap <= gradient_rtol(reference, GRADIENT_MATCH_RTOL) * scale + 1e-12 * max(reference.numel(), 1) ** 0.5:
             raise GuardMisuse(f".grad differs from the gradient of criterion(model(x), y) on the recorded batch "
                               f"(‖difference‖ = {gap:.3g}, ‖gradient‖ = {scale:.3g}): a loss with terms the guard "
-                              "cannot see, or gradients accumulated over several batches (a missing "
-                              "optimizer.zero_grad()); the guard must measure the exact loss that is sent")
+                              "cannot see, gradients accumulated over several batches (a missing "
+                              "optimizer.zero_grad()), or randomness in the forward pass that flguard.check_model "
+                              "cannot list (a functional dropout); the guard must measure the exact loss that is "
+                              "sent")
         self._recorder.paused = True
         try:
             out = guard.protect(self._model, x, y, reference, loss_fn=self._criterion, step_size=self._sgd_step_size())

@@ -34,13 +34,14 @@ from typing import Callable, Iterator, Literal
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad, jvp, vjp, vmap
+from torch.func import grad, jvp, vjp, vmap
 import torch.nn.functional as F
 
 from flguard.risk import sizing
 from flguard.risk.limits import ProductLimit, ProductLimitReached  # noqa: F401  (re-exported: the operator charges them)
 from flguard.risk.precision import on_exact_float32
 from flguard.risk.direct import DirectProducts
+from flguard.risk.functional import functional_forward
 from flguard.risk.sample_autograd import SampleAutograd
 from flguard.risk.transposed_input_grads import InputOnly, transposed_input_grads
 
@@ -166,7 +167,7 @@ class JacobianOperator(DirectProducts):
         return self.x.dtype
 
     def _forward(self, params: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
-        return functional_call(self.model, (params, self.buffers), (inputs,))
+        return functional_forward(self.model, (params, self.buffers), inputs)
 
     def _flat(self, tree: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([tree[n].reshape(-1) for n in self.names])

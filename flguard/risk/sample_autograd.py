@@ -29,8 +29,8 @@ from typing import Callable, Sequence
 import torch
 import torch.autograd.forward_ad as forward_ad
 from torch import nn
-from torch.func import functional_call
 
+from flguard.risk.functional import functional_forward
 from flguard.risk.transposed_input_grads import InputOnly, transposed_input_grads
 
 #: Record J_iᵀu's forward pass with every 2-D convolution's input gradient as a transposed convolution
@@ -56,7 +56,7 @@ class SampleAutograd:
         self.sizes = [p.numel() for p in self.values]
 
     def forward(self, params: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
-        return functional_call(self.model, (params, self.buffers), (inputs,))
+        return functional_forward(self.model, (params, self.buffers), inputs)
 
     def _leaves(self) -> list[torch.Tensor]:
         """Fresh leaves that share the parameters' storage: nothing is recorded on the operator's own tensors."""

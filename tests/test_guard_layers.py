@@ -1,0 +1,159 @@
+"""The layers practitioners' image models are built of, in the guard's products and the attacks' objectives.
+
+Each layer sits in a small float64 conv net; the operator's K products on the cached and the direct path are
+checked against the dense K_i = J_iJ_iᵀ built column by column with plain reverse-over-reverse autograd
+(``risk_reference``). Four layers needed the guard's forward pass rewritten (``flguard.risk.functional``):
+attention and ``Hardsigmoid``, whose kernels have no second derivative (every step withheld), and LayerNorm and
+InstanceNorm, whose kernels' derivatives in the products' compositions are wrong (K off by 0.1–0.3% on the cached
+path and 2–33% on the direct one: certificates on wrong numbers). Their references are independent: attention on
+PyTorch's math kernel, Hardsigmoid written as a clamp, the norms by PyTorch's own kernels, whose plain double
+backward is right. The model check lists every layer that drops at random while training, torchvision's and
+timm's included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flguard import check_model
+from flguard.risk.operator import JacobianOperator
+from risk_reference import dense_jacobians
+
+
+class _Lambda(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+def _tokens_attention(x: torch.Tensor) -> torch.Tensor:
+    """Self-attention over the pixels as tokens, through ``F.scaled_dot_product_attention``."""
+    tokens = x.flatten(2).transpose(1, 2).unsqueeze(1)
+    return F.scaled_dot_product_attention(tokens, tokens, tokens).squeeze(1).transpose(1, 2).reshape(x.shape)
+
+
+class _ChannelsLastLayerNorm(nn.LayerNorm):
+    """ConvNeXt's: LayerNorm over the channels of a channels-last view."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def _channels_last_layer_norm(x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x.permute(0, 2, 3, 1), (4,)).permute(0, 3, 1, 2)
+
+
+class _MultiheadSelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.flatten(2).transpose(1, 2)
+        return self.attention(tokens, tokens, tokens, need_weights=False)[0].transpose(1, 2).reshape(x.shape)
+
+
+LAYERS = {
+    "hardsigmoid": (lambda: nn.Hardsigmoid(), lambda: _Lambda(lambda x: torch.clamp(x / 6 + 0.5, 0, 1))),
+    "hardswish": (lambda: nn.Hardswish(), None), "silu": (lambda: nn.SiLU(), None), "gelu": (lambda: nn.GELU(), None),
+    "mish": (lambda: nn.Mish(), None), "elu": (lambda: nn.ELU(), None), "prelu": (lambda: nn.PReLU(), None),
+    "max_pool": (lambda: nn.MaxPool2d(2), None), "adaptive_avg_pool": (lambda: nn.AdaptiveAvgPool2d(2), None),
+    "bilinear_upsample": (lambda: nn.Upsample(scale_factor=2, mode="bilinear"), None),
+    "group_norm": (lambda: nn.GroupNorm(2, 4), None), "instance_norm": (lambda: nn.InstanceNorm2d(4, affine=True), None),
+    "instance_norm_without_affine": (lambda: nn.InstanceNorm2d(4), None),
+    "layer_norm": (lambda: nn.LayerNorm([4, 4, 4]), None),
+    "layer_norm_without_bias": (lambda: nn.LayerNorm([4, 4, 4], bias=False), None),
+    "channels_last_layer_norm": (lambda: _ChannelsLastLayerNorm(4), None),
+    "functional_layer_norm": (lambda: _Lambda(_channels_last_layer_norm), None),
+    "rms_norm": (lambda: nn.RMSNorm([4, 4, 4]), None),
+    "depthwise_conv": (lambda: nn.Conv2d(4, 4, 3, padding=1, groups=4), None),
+    "reflect_padded_conv": (lambda: nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"), None),
+    "transposed_conv": (lambda: nn.ConvTranspose2d(4, 4, 2, stride=2), None),
+    "squeeze_excitation": (lambda: _Lambda(lambda x: x * torch.sigmoid(F.adaptive_avg_pool2d(x, 1))), None),
+    "scaled_dot_product_attention": (lambda: _Lambda(_tokens_attention), None),
+    "multihead_attention": (_MultiheadSelfAttention, None),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_each_layer_runs_in_the_products_and_matches_dense_float64(name):
+    layer, reference_layer = LAYERS[name]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), layer(), nn.Flatten(), nn.LazyLinear(3)).double()
+    x, y = torch.randn(3, 3, 4, 4, dtype=torch.float64), torch.tensor([0, 1, 2])
+    model(x)  # the lazy layer's shape
+    reference = model
+    if reference_layer is not None:
+        reference = nn.Sequential(model[0], reference_layer(), model[2], model[3])
+    with sdpa_kernel(SDPBackend.MATH):
+        jac, _ = dense_jacobians(reference, x, y)
+    kernel = jac @ jac.transpose(1, 2)
+    u = torch.randn(3, 2, jac.shape[1], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    expected = torch.einsum("bij,bkj->bki", kernel, u)
+    for products in ("cached", "direct"):
+        op = JacobianOperator(model, x, y, products=products)
+        torch.testing.assert_close(op.kmv(u), expected, rtol=1e-9, atol=1e-12, msg=f"{name} on the {products} path")
+
+
+def test_the_attacks_gradient_matching_differentiates_through_attention():
+    """The attacks' observer (what a candidate input would upload) on a small ViT: its gradient at the true input
+    is the client's, and the matching loss's input gradient — a second derivative, which the default attention
+    kernel does not have — agrees with a central finite difference, for one candidate (autograd) and two (vmap)."""
+    vision_transformer = pytest.importorskip("torchvision.models.vision_transformer")
+    from flguard.attacks.objectives import GradientObserver, l2_matching
+
+    torch.manual_seed(0)
+    model = vision_transformer.VisionTransformer(image_size=6, patch_size=3, num_layers=1, num_heads=2, hidden_dim=8,
+                                                 mlp_dim=16, num_classes=4).double()
+    x, y = torch.randn(1, 3, 6, 6, dtype=torch.float64), torch.tensor([2])
+    target = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
+    observer = GradientObserver(model)
+    for uploaded, sent in zip(observer(x.unsqueeze(0), y.unsqueeze(0)), target):
+        torch.testing.assert_close(uploaded[0], sent, rtol=1e-10, atol=1e-12)
+    start = torch.randn(2, 1, 3, 6, 6, dtype=torch.float64)
+    direction = torch.randn_like(start)
+    labels = y.expand(2, 1)
+
+    def matching(candidates: torch.Tensor) -> torch.Tensor:
+        uploads = observer(candidates, labels[:len(candidates)])
+        return torch.stack([l2_matching([u[r] for u in uploads], target) for r in range(len(candidates))]).sum()
+
+    for candidates in (start[:1], start):  # one candidate: autograd; two: vmap
+        leaf = candidates.clone().requires_grad_(True)
+        slope = float((torch.autograd.grad(matching(leaf), leaf)[0] * direction[:len(candidates)]).sum())
+        h = 1e-5
+        step = h * direction[:len(candidates)]
+        finite = float(matching(candidates + step) - matching(candidates - step)) / (2 * h)
+        assert slope == pytest.approx(finite, rel=1e-6)
+
+
+def test_check_model_lists_every_layer_that_drops_at_random_while_training():
+    torchvision = pytest.importorskip("torchvision")
+
+    class DropPath(nn.Module):  # timm's, by name and attribute
+        def __init__(self, drop_prob: float) -> None:
+            super().__init__()
+            self.drop_prob = drop_prob
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    model = nn.Sequential(nn.Linear(4, 4), torchvision.ops.StochasticDepth(0.1, "row"), DropPath(0.2),
+                          nn.MultiheadAttention(4, 2, dropout=0.3), torchvision.ops.StochasticDepth(0.0, "row"),
+                          DropPath(0.0), nn.MultiheadAttention(4, 2))
+    problems = check_model(model)
+    assert [p.split(":")[0] for p in problems] == ["1", "2", "3"]
+    assert "StochasticDepth(p=0.1)" in problems[0] and "DropPath(drop_prob=0.2)" in problems[1]
+    assert "MultiheadAttention(dropout=0.3)" in problems[2] and "eval()" in problems[2]
+    model[1].eval()
+    assert len(check_model(model)) == 2
+    convnext = torchvision.models.convnext_tiny(num_classes=10)  # stochastic depth 0.1 by default, no BatchNorm
+    assert sum("StochasticDepth" in p for p in check_model(convnext)) == 17  # 18 blocks, the first at p = 0
+    assert check_model(torchvision.models.convnext_tiny(num_classes=10, stochastic_depth_prob=0.0)) == []

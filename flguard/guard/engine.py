@@ -214,6 +214,10 @@ def _clipped(op: JacobianOperator, flat: torch.Tensor, clip: float) -> ClippedJa
     # On a CUDA device ``flat`` may come from TF32 convolutions (``gradient_rtol``; the reference is IEEE float32).
     # The check only catches a gradient of something else: the clipped sum is what is sent, not ``flat``.
     summands = op.scale * float(clipped.sample_norms.sum())
-    if float((reference - flat).norm()) > gradient_rtol(flat, 1e-3) * (float(flat.norm()) + summands) + 1e-12:
-        raise GuardFailure("clip_per_sample: the gradient given is not the batch loss's gradient at (model, x, y)")
+    gap, allowed = float((reference - flat).norm()), gradient_rtol(flat, 1e-3) * (float(flat.norm()) + summands) + 1e-12
+    if gap > allowed:
+        raise GuardFailure(f"clip_per_sample: the gradient given is not the batch loss's gradient at (model, x, y): "
+                           f"‖difference‖ {gap:.3g} against the {allowed:.3g} that rounding explains (‖g‖ = "
+                           f"{float(flat.norm()):.3g}; a gradient of something else, or one too ill-conditioned for "
+                           "float32 — an untrained model whose gradients explode)")
     return clipped

@@ -25,7 +25,8 @@ part() {  # part NAME SECONDS CSV-OR-- COMMAND...: run COMMAND under a limit, lo
 nvidia-smi -L >> "$LOG" 2>&1
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" >> "$LOG" 2>&1
 part cuda_tests "${LIMIT_TESTS:-90}" - python3 -m pytest -q -p no:cacheprovider -s tests/test_guard_model.py tests/test_risk_precision.py \
-    tests/test_risk_assess.py tests/test_risk_shrinking.py -k "cuda or chunk or cached or dense_float64 or float32"
+    tests/test_risk_assess.py tests/test_risk_shrinking.py tests/test_guard_layers.py \
+    -k "cuda or chunk or cached or dense_float64 or float32"
 cd benchmarks
 part guard_resnet18 "${LIMIT_R18:-240}" results/bench_guard_models.csv \
     python3 bench_guard_models.py --device cuda --models resnet18_gn --batch "${R18_BATCH:-8,32}" --steps "${R18_STEPS:-6}"

@@ -13,6 +13,8 @@ timm's included.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,8 +84,13 @@ LAYERS = {
 }
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("name", list(LAYERS))
-def test_each_layer_runs_in_the_products_and_matches_dense_float64(name):
+def test_each_layer_runs_in_the_products_and_matches_dense_float64(name, device):
+    """On a CUDA device the products run there (its own kernels) and the reference on the CPU."""
     layer, reference_layer = LAYERS[name]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), layer(), nn.Flatten(), nn.LazyLinear(3)).double()
@@ -97,9 +104,11 @@ def test_each_layer_runs_in_the_products_and_matches_dense_float64(name):
     kernel = jac @ jac.transpose(1, 2)
     u = torch.randn(3, 2, jac.shape[1], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     expected = torch.einsum("bij,bkj->bki", kernel, u)
+    model.to(device)
     for products in ("cached", "direct"):
-        op = JacobianOperator(model, x, y, products=products)
-        torch.testing.assert_close(op.kmv(u), expected, rtol=1e-9, atol=1e-12, msg=f"{name} on the {products} path")
+        op = JacobianOperator(model, x.to(device), y.to(device), products=products)
+        torch.testing.assert_close(op.kmv(u.to(device)).cpu(), expected, rtol=1e-9, atol=1e-12,
+                                   msg=f"{name} on the {products} path")
 
 
 def test_the_attacks_gradient_matching_differentiates_through_attention():
@@ -157,3 +166,21 @@ def test_check_model_lists_every_layer_that_drops_at_random_while_training():
     convnext = torchvision.models.convnext_tiny(num_classes=10)  # stochastic depth 0.1 by default, no BatchNorm
     assert sum("StochasticDepth" in p for p in check_model(convnext)) == 17  # 18 blocks, the first at p = 0
     assert check_model(torchvision.models.convnext_tiny(num_classes=10, stochastic_depth_prob=0.0)) == []
+
+
+def test_a_convnext_block_runs_batched_on_the_cached_path():
+    """torchvision's ConvNeXt (LayerNorm on a permuted, channels-last view, then global average pooling): the cached
+    K product runs without ``vmap``'s per-sample fallback (the pooling kernel's double backward on a channels-last
+    gradient takes an ``as_strided_`` it has no batching rule for; the guard pools by a mean), and matches the direct
+    path's one-sample products."""
+    convnext = pytest.importorskip("torchvision.models.convnext")
+    torch.manual_seed(0)
+    model = convnext.ConvNeXt([convnext.CNBlockConfig(8, 16, 1), convnext.CNBlockConfig(16, None, 1)],
+                              stochastic_depth_prob=0.0, num_classes=4).double()
+    x, y = torch.randn(3, 3, 8, 8, dtype=torch.float64), torch.tensor([0, 1, 3])
+    u = torch.randn(3, 1, x[0].numel(), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cached = JacobianOperator(model, x, y, products="cached").kmv(u)
+    assert not [w for w in caught if "batching rule" in str(w.message)]
+    torch.testing.assert_close(cached, JacobianOperator(model, x, y, products="direct").kmv(u), rtol=1e-9, atol=1e-12)

@@ -1,7 +1,7 @@
 """The layers practitioners' image models are built of, in the guard's products and the attacks' objectives.
 
-Each layer sits in a small float64 conv net; the operator's K products on the cached and the direct path are
-checked against the dense K_i = J_iJ_iᵀ built column by column with plain reverse-over-reverse autograd
+Each layer sits in a small float64 conv net; the operator's K products on the cached and the direct path (vmapped
+chunks, and one sample at a time with plain autograd, as a ResNet-18's on a CPU) are checked against the dense K_i = J_iJ_iᵀ built column by column with plain reverse-over-reverse autograd
 (``risk_reference``). Four layers needed the guard's forward pass rewritten (``flguard.risk.functional``):
 attention and ``Hardsigmoid``, whose kernels have no second derivative (every step withheld), and LayerNorm and
 InstanceNorm, whose kernels' derivatives in the products' compositions are wrong (K off by 0.1–0.3% on the cached
@@ -81,6 +81,8 @@ LAYERS = {
     "squeeze_excitation": (lambda: _Lambda(lambda x: x * torch.sigmoid(F.adaptive_avg_pool2d(x, 1))), None),
     "scaled_dot_product_attention": (lambda: _Lambda(_tokens_attention), None),
     "multihead_attention": (_MultiheadSelfAttention, None),
+    "softmax_over_channels": (lambda: nn.Softmax(dim=1), None),
+    "log_softmax_over_channels": (lambda: nn.LogSoftmax(dim=1), None),
 }
 
 
@@ -105,10 +107,12 @@ def test_each_layer_runs_in_the_products_and_matches_dense_float64(name, device)
     u = torch.randn(3, 2, jac.shape[1], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     expected = torch.einsum("bij,bkj->bki", kernel, u)
     model.to(device)
-    for products in ("cached", "direct"):
+    for products, chunk in (("cached", None), ("direct", 2), ("direct", 1)):
         op = JacobianOperator(model, x.to(device), y.to(device), products=products)
+        if chunk is not None:  # vmapped chunks of two samples, or one at a time with plain autograd
+            op.sample_chunk = chunk
         torch.testing.assert_close(op.kmv(u.to(device)).cpu(), expected, rtol=1e-9, atol=1e-12,
-                                   msg=f"{name} on the {products} path")
+                                   msg=f"{name} on the {products} path, chunks of {chunk}")
 
 
 def test_the_attacks_gradient_matching_differentiates_through_attention():
@@ -184,3 +188,47 @@ def test_a_convnext_block_runs_batched_on_the_cached_path():
         cached = JacobianOperator(model, x, y, products="cached").kmv(u)
     assert not [w for w in caught if "batching rule" in str(w.message)]
     torch.testing.assert_close(cached, JacobianOperator(model, x, y, products="direct").kmv(u), rtol=1e-9, atol=1e-12)
+
+
+class _Attend(nn.Module):
+    def __init__(self, variant: str) -> None:
+        super().__init__()
+        self.variant = variant
+        other = 6 if variant == "other_key_width" else None
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True, kdim=other, vdim=other)
+        self.keys = nn.Linear(8, other or 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool).triu(1)
+        given = {"bool_mask": {"attn_mask": causal},
+                 "float_mask": {"attn_mask": torch.randn(length, length, generator=torch.Generator().manual_seed(0),
+                                                         dtype=x.dtype)},
+                 "per_sample_head_mask": {"attn_mask": causal.expand(x.shape[0] * 2, length, length)},
+                 "key_padding": {"key_padding_mask": torch.arange(length).expand(x.shape[0], length) >= length - 1},
+                 "causal_hint": {"attn_mask": causal, "is_causal": True},
+                 "weights": {"need_weights": True}, "per_head_weights": {"need_weights": True,
+                                                                          "average_attn_weights": False}}
+        kwargs = {"need_weights": False, **given.get(self.variant, {})}
+        out, weights = self.attention(x, self.keys(x), self.keys(x), **kwargs)
+        return out if weights is None else out + weights.sum()
+
+
+@pytest.mark.parametrize("variant", ["plain", "bool_mask", "float_mask", "per_sample_head_mask", "key_padding",
+                                     "causal_hint", "weights", "per_head_weights", "other_key_width"])
+def test_multi_head_attention_in_plain_operators_equals_pytorchs(variant, monkeypatch):
+    """``nn.MultiheadAttention`` through the guard's forward pass (its softmax in plain operators: PyTorch's has a
+    forward-mode rule whose output reverse mode cannot differentiate, so one-sample products through attention
+    failed) gives PyTorch's own outputs, with its masks, weights and projections."""
+    import flguard.risk.functional as functional
+
+    calls = []
+    rewrite = functional._multi_head_attention
+    monkeypatch.setattr(functional, "_multi_head_attention", lambda *a, **k: calls.append(1) or rewrite(*a, **k))
+    torch.manual_seed(0)
+    model = _Attend(variant).double()
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    expected = model(x)
+    got = functional.functional_forward(model, dict(model.named_parameters()), x)
+    assert calls, "the rewrite was not taken"
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)

@@ -165,18 +165,26 @@ def _assert_certified_on_dense_float64(model, x, y, config, report):
     assert_reported_rmse(report, rmse, rtol=3 * config.rtol, where=kept)
 
 
-def test_a_small_vision_transformer_is_guarded_and_certified_against_dense_float64_i2f():
+@pytest.mark.parametrize("products", ["cached", "direct", "direct-1"])
+def test_a_small_vision_transformer_is_guarded_and_certified_against_dense_float64_i2f(products, monkeypatch):
     """torchvision's VisionTransformer (patch convolution, class token, LayerNorm, nn.MultiheadAttention, GELU MLP)
-    through make_guarded: its attention's default CPU kernel (flash) has no second derivative, so every step was
-    withheld; the guard's forward runs attention on PyTorch's math kernel (``flguard.risk.functional``), and the
-    noise sent certifies every kept sample against dense float64 I²F (the reference's double derivatives on the
-    math kernel too, which autograd and forward mode both differentiate)."""
+    through make_guarded, with the cached products and the direct ones (two samples per chunk, and one at a time):
+    its attention's default CPU kernel (flash) has no second derivative, so every step was withheld, and PyTorch's
+    LayerNorm gave wrong products (worst on the direct path); the guard's forward runs both in plain operators
+    (``flguard.risk.functional``), and the noise sent certifies every kept sample against dense float64 I²F (the
+    reference's double derivatives on the math attention kernel, which autograd and forward mode both
+    differentiate, and PyTorch's LayerNorm, whose plain double derivatives are right)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flguard.risk import sizing
 
     vision_transformer = pytest.importorskip("torchvision.models.vision_transformer")
     torch.manual_seed(0)
     model = vision_transformer.VisionTransformer(image_size=6, patch_size=3, num_layers=1, num_heads=2, hidden_dim=8,
                                                  mlp_dim=16, num_classes=10).double()
+    if products.startswith("direct"):
+        dtheta = sum(p.numel() for p in model.parameters())
+        monkeypatch.setattr(sizing, "CACHED_UP_TO", (1 if products == "direct-1" else 2) * dtheta)
     x = (torch.rand(4, 3, 6, 6, dtype=torch.float64) - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(
         STD).view(1, 3, 1, 1)
     y = torch.tensor([0, 3, 5, 7])

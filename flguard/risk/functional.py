@@ -1,33 +1,36 @@
 """The model's forward pass as the guard and the attacks differentiate it: a function of the parameters.
 
-``functional_forward`` is ``torch.func.functional_call`` with one difference: attention
-(``F.scaled_dot_product_attention``, which ``nn.MultiheadAttention`` and torchvision's ViT call) runs on PyTorch's
-composite "math" kernel. The fused kernels PyTorch picks by default (flash attention on a CPU; flash and
-memory-efficient ones on a GPU) have a first derivative only: no derivative of their backward, no forward-mode
-rule, no ``vmap`` batching — and every product of the guard (J_iᵀu is a derivative of the input gradient; K
-products, ``jvp``, per-sample ``vmap``) and every gradient-matching attack differentiates twice. On them a
-transformer's every step failed, and was withheld ("derivative for aten::_scaled_dot_product_flash_attention_for_cpu
-_backward is not implemented"). The math kernel computes the same attention (softmax(QKᵀ/√d)V, as the fused
-kernels do, to float rounding) from ordinary operators that autograd, forward mode and ``vmap`` all know; the
-user's own training keeps its kernel. The guard's check that its recomputed gradient is the one in ``.grad``
-(``flguard.guard.training``) compares the two to float32 rounding.
+``functional_forward`` is ``torch.func.functional_call`` under one function mode (``_TwiceDifferentiable``) that
+runs a few layers in plain operators — each the same function, to float rounding — because the guard's products
+differentiate the forward pass twice in three compositions (reverse over reverse, vmapped, on the cached path;
+vmapped forward-over-reverse, and reverse over forward mode one sample at a time, on the direct path), as do the
+attacks' gradient matching, and some of PyTorch's kernels fail there or, worse, give wrong numbers. Measured on small
+float64 nets against dense Jacobians from plain double backward (``tests/test_guard_layers.py``, PyTorch 2.14):
 
-The same function mode (``_TwiceDifferentiable``) writes three more layers in plain operators, each the same
-function: ``F.hardsigmoid`` (MobileNetV3's squeeze-and-excitation gate) as ``relu6(x + 3) / 6``, its kernel having no
-derivative of its backward either; and ``F.layer_norm`` (ViTs, ConvNeXts) and ``F.instance_norm`` without running
-statistics as (x − mean)/√(var + ε)·w + b, because PyTorch's kernels give *wrong* numbers where the products compose
-their derivatives: the tangent that forward mode carries through them (J_iv on the direct path) has a wrong derivative
-in the input, and their derivatives under ``vmap`` (the cached path) are off too — measured on small float64 nets
-against dense Jacobians from plain double backward (which is right): K products off by 2–33% on the direct path and
-0.1–0.3% on the cached one (PyTorch 2.14; ``tests/test_guard_layers.py``). A certificate computed on such numbers
-would not be one. GroupNorm's kernel is right in every composition and keeps its speed. Global average pooling
-(``F.adaptive_avg_pool2d`` to 1×1) runs as a mean over the spatial dimensions: the same numbers, while the kernel's
-double backward on a channels-last gradient (a ConvNeXt's, after its permuted LayerNorm) goes through an
-``as_strided_`` that ``vmap`` has no batching rule for — a per-sample loop and a warning (a ConvNeXt's cached K
-product 47 → 43 ms; a ResNet's products 1.5–2.5% faster, bit-identical). The mode sees every torch
-function of the forward pass (a few microseconds each, within the noise of a ResNet-18's products); every other
-activation, pooling, normalisation, padding and resampling layer of PyTorch's that an image model uses runs as it
-is, checked in the same test.
+* **attention** (``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``, torchvision's ViT): the default CPU
+  kernel (flash attention) has no derivative of its backward, no forward-mode rule and no ``vmap`` rule — every
+  transformer step was withheld. Both run as softmax(QKᵀ·scale + mask)V here (``_attention``,
+  ``_multi_head_attention``); what they leave to PyTorch (dropout while training, grouped-query attention, bias_k)
+  runs on its "math" kernel, selected for the whole pass;
+* **softmax and log-softmax** (inside attention, or as layers): PyTorch's forward-mode rule leaves an output that
+  reverse mode cannot differentiate ("modified by an inplace operation"), so one-sample products failed; they run
+  as exp(x − max)/Σ and (x − max) − log Σ exp(x − max), the maximum held constant;
+* **LayerNorm** (ViTs, ConvNeXts) **and InstanceNorm** without running statistics: *wrong* numbers — the tangent that
+  forward mode carries through PyTorch's kernels has a wrong derivative in the input (on one probe −0.833 against a
+  central difference of −0.380), and their derivatives under ``vmap`` are off too: K products off by 2–33% on the
+  direct path and 0.1–0.3% on the cached one, certificates on wrong numbers. They run as (x − mean)/√(var + ε)·w + b;
+* **Hardsigmoid** (MobileNetV3's gates): no derivative of its backward; runs as relu6(x + 3)/6;
+* **global average pooling** (``F.adaptive_avg_pool2d`` to 1×1): the same numbers as a spatial mean, while the
+  kernel's double backward on a channels-last gradient (a ConvNeXt's) takes an ``as_strided_`` that ``vmap`` has
+  no batching rule for — a per-sample loop and a warning (a small ConvNeXt's cached K product 47 → 43 ms; a ResNet's
+  products 1.5–2.5% faster, bit-identical).
+
+Every other activation, pooling, normalisation (GroupNorm's kernel is right in every composition and keeps its speed),
+padding and resampling layer an image model uses runs as PyTorch has it, checked in the same test. The mode sees
+every torch function of the forward pass (a few microseconds each, within the noise of the products it feeds). A
+function mode does not see the calls inside a composite it lets through, so ``F.multi_head_attention_forward`` is
+rewritten as a whole. The user's own training keeps PyTorch's kernels; the guard's check that its recomputed
+gradient is the one in ``.grad`` (``flguard.guard.training``) compares the two to float32 rounding.
 """
 
 from __future__ import annotations
@@ -67,6 +70,88 @@ def _instance_norm(input: torch.Tensor, running_mean: torch.Tensor | None = None
     return out + bias.view(shape) if bias is not None else out
 
 
+def _shifted(input: torch.Tensor, dim: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """``input`` less its (constant) maximum along ``dim``: the stable form of the softmaxes, whose value and every
+    derivative the shift does not change."""
+    x = input if dtype is None else input.to(dtype)
+    return x - x.amax(dim, keepdim=True).detach()
+
+
+def _softmax(input: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    exp = _shifted(input, dim, dtype).exp()
+    return exp / exp.sum(dim, keepdim=True)
+
+
+def _log_softmax(input: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    shifted = _shifted(input, dim, dtype)
+    return shifted - shifted.exp().sum(dim, keepdim=True).log()
+
+
+#: The softmaxes as functions, torch's and as Tensor methods: (plain form, the position of ``dim``).
+_SOFTMAXES = {F.softmax: _softmax, torch.softmax: _softmax, torch.Tensor.softmax: _softmax,
+              F.log_softmax: _log_softmax, torch.log_softmax: _log_softmax, torch.Tensor.log_softmax: _log_softmax}
+
+
+def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False) -> torch.Tensor | None:
+    """softmax(QKᵀ·scale + mask)V out of place (None where dropout or grouped-query attention asks for PyTorch's own)."""
+    if dropout_p > 0 or enable_gqa:
+        return None
+    scores = query @ key.transpose(-2, -1) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return _softmax(scores, -1) @ value
+
+
+def _additive(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """A mask in ``nn.MultiheadAttention``'s sense (bool: True where not to attend; float: added) as a float mask."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(mask, float("-inf"))
+
+
+def _multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, embed_dim_to_check: int,
+                          num_heads: int, in_proj_weight: torch.Tensor | None, in_proj_bias: torch.Tensor | None,
+                          bias_k: torch.Tensor | None, bias_v: torch.Tensor | None, add_zero_attn: bool,
+                          dropout_p: float, out_proj_weight: torch.Tensor, out_proj_bias: torch.Tensor | None,
+                          training: bool = True, key_padding_mask: torch.Tensor | None = None,
+                          need_weights: bool = True, attn_mask: torch.Tensor | None = None,
+                          use_separate_proj_weight: bool = False, q_proj_weight: torch.Tensor | None = None,
+                          k_proj_weight: torch.Tensor | None = None, v_proj_weight: torch.Tensor | None = None,
+                          static_k: torch.Tensor | None = None, static_v: torch.Tensor | None = None,
+                          average_attn_weights: bool = True, is_causal: bool = False) -> tuple | None:
+    """``F.multi_head_attention_forward`` on batched (L, N, E) inputs with ``_softmax`` (module doc); None (PyTorch's
+    own) for what ``nn.MultiheadAttention`` seldom uses: dropout while training, bias_k/bias_v, zero attention,
+    static keys, or a causal hint without its mask."""
+    if (query.dim() != 3 or (dropout_p > 0 and training) or bias_k is not None or bias_v is not None or add_zero_attn
+            or static_k is not None or static_v is not None or (is_causal and attn_mask is None)):
+        return None
+    (length, batch, embed), source, heads = query.shape, key.shape[0], num_heads
+    if use_separate_proj_weight:
+        weights = (q_proj_weight, k_proj_weight, v_proj_weight)
+    else:
+        weights = in_proj_weight.chunk(3)
+    biases = in_proj_bias.chunk(3) if in_proj_bias is not None else (None, None, None)
+    q, k, v = (F.linear(t, w, b).reshape(t.shape[0], batch, heads, embed // heads).permute(1, 2, 0, 3)
+               for t, w, b in zip((query, key, value), weights, biases))
+    scores = q @ k.transpose(-2, -1) * (embed // heads) ** -0.5  # (N, H, L, S)
+    if attn_mask is not None:
+        mask = _additive(attn_mask, scores)
+        scores = scores + (mask.view(batch, heads, length, source) if mask.dim() == 3 else mask)
+    if key_padding_mask is not None:
+        scores = scores + _additive(key_padding_mask, scores).view(batch, 1, 1, source)
+    attention = _softmax(scores, -1)
+    out = (attention @ v).permute(2, 0, 1, 3).reshape(length, batch, embed)
+    out = F.linear(out, out_proj_weight, out_proj_bias)
+    if not need_weights:
+        return out, None
+    return out, attention.mean(1) if average_attn_weights else attention
+
+
 class _TwiceDifferentiable(TorchFunctionMode):
     """``F.hardsigmoid``, ``F.layer_norm``, ``F.instance_norm`` and global average pooling in plain operators (module
     doc); every other function as it is."""
@@ -81,6 +166,18 @@ class _TwiceDifferentiable(TorchFunctionMode):
             return _layer_norm(*args, **kwargs)
         if func is F.instance_norm:
             value = _instance_norm(*args, **kwargs)
+            if value is not None:
+                return value
+        if func in _SOFTMAXES:
+            given = {**dict(zip(("input", "dim"), args)), **kwargs}
+            if isinstance(given.get("dim"), int):  # F.softmax's implicit dim (None) is left to PyTorch
+                return _SOFTMAXES[func](given["input"], given["dim"], given.get("dtype"))
+        if func is F.multi_head_attention_forward:  # a composite: the calls inside it would not come through here
+            value = _multi_head_attention(*args, **kwargs)
+            if value is not None:
+                return value
+        if func is F.scaled_dot_product_attention:
+            value = _attention(*args, **kwargs)
             if value is not None:
                 return value
         if func is F.adaptive_avg_pool2d:

@@ -87,7 +87,7 @@ def _log_softmax(input: torch.Tensor, dim: int, dtype: torch.dtype | None = None
     return shifted - shifted.exp().sum(dim, keepdim=True).log()
 
 
-#: The softmaxes as functions, torch's and as Tensor methods: (plain form, the position of ``dim``).
+#: The softmaxes — ``torch.nn.functional``'s, torch's and the Tensor methods — and their plain forms.
 _SOFTMAXES = {F.softmax: _softmax, torch.softmax: _softmax, torch.Tensor.softmax: _softmax,
               F.log_softmax: _log_softmax, torch.log_softmax: _log_softmax, torch.Tensor.log_softmax: _log_softmax}
 
@@ -153,8 +153,8 @@ def _multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 
 class _TwiceDifferentiable(TorchFunctionMode):
-    """``F.hardsigmoid``, ``F.layer_norm``, ``F.instance_norm`` and global average pooling in plain operators (module
-    doc); every other function as it is."""
+    """The module doc's layers — norms, softmaxes, attention, Hardsigmoid, global average pooling — in plain
+    operators; every other function as it is."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

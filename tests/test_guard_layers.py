@@ -1,13 +1,14 @@
 """The layers practitioners' image models are built of, in the guard's products and the attacks' objectives.
 
-Each layer sits in a small float64 conv net; the operator's K products on the cached and the direct path (vmapped
-chunks, and one sample at a time with plain autograd, as a ResNet-18's on a CPU) are checked against the dense K_i = J_iJ_iᵀ built column by column with plain reverse-over-reverse autograd
-(``risk_reference``). Four layers needed the guard's forward pass rewritten (``flguard.risk.functional``):
-attention and ``Hardsigmoid``, whose kernels have no second derivative (every step withheld), and LayerNorm and
-InstanceNorm, whose kernels' derivatives in the products' compositions are wrong (K off by 0.1–0.3% on the cached
-path and 2–33% on the direct one: certificates on wrong numbers). Their references are independent: attention on
-PyTorch's math kernel, Hardsigmoid written as a clamp, the norms by PyTorch's own kernels, whose plain double
-backward is right. The model check lists every layer that drops at random while training, torchvision's and
+Each layer sits in a small conv net; the operator's K products on the cached path and the direct one (vmapped
+chunks, and one sample at a time with plain autograd, as a ResNet-18's on a CPU), in float64 and float32, are
+checked against the dense K_i = J_iJ_iᵀ built column by column with plain reverse-over-reverse autograd in float64
+(``risk_reference``). The guard's forward pass rewrites some layers (``flguard.risk.functional``): attention,
+softmaxes and ``Hardsigmoid``, whose kernels lack a derivative the products take (every step withheld), and
+LayerNorm and InstanceNorm, whose kernels' derivatives in the products' compositions are wrong (K off by 0.1–0.3%
+on the cached path and 2–33% on the direct one: certificates on wrong numbers). Their references are independent:
+attention on PyTorch's math kernel, Hardsigmoid written as a clamp, the norms by PyTorch's own kernels, whose plain
+double backward is right. The model check lists every layer that drops at random while training, torchvision's and
 timm's included.
 """
 
@@ -68,7 +69,8 @@ LAYERS = {
     "mish": (lambda: nn.Mish(), None), "elu": (lambda: nn.ELU(), None), "prelu": (lambda: nn.PReLU(), None),
     "max_pool": (lambda: nn.MaxPool2d(2), None), "adaptive_avg_pool": (lambda: nn.AdaptiveAvgPool2d(2), None),
     "bilinear_upsample": (lambda: nn.Upsample(scale_factor=2, mode="bilinear"), None),
-    "group_norm": (lambda: nn.GroupNorm(2, 4), None), "instance_norm": (lambda: nn.InstanceNorm2d(4, affine=True), None),
+    "group_norm": (lambda: nn.GroupNorm(2, 4), None),
+    "instance_norm": (lambda: nn.InstanceNorm2d(4, affine=True), None),
     "instance_norm_without_affine": (lambda: nn.InstanceNorm2d(4), None),
     "layer_norm": (lambda: nn.LayerNorm([4, 4, 4]), None),
     "layer_norm_without_bias": (lambda: nn.LayerNorm([4, 4, 4], bias=False), None),

@@ -70,8 +70,8 @@ def model_problems(model: nn.Module) -> list[tuple[str, str]]:
                              "updates its running statistics from the batch, unguarded; fix: "
                              "track_running_stats=False"))
         elif module.training and (drop := _random_drop(module))[1] > 0:
-            problems.append(("dropout", f"{where}: {type(module).__name__}({drop[0]}={drop[1]:.3g}) in train mode drops "
-                             "at random, so the per-sample Jacobian is undefined and the gradient cannot be "
+            problems.append(("dropout", f"{where}: {type(module).__name__}({drop[0]}={drop[1]:.3g}) in train "
+                             "mode drops at random, so the per-sample Jacobian is undefined and the gradient cannot be "
                              "reproduced; fix: remove it, set its probability to 0, or call .eval() on it"))
     return problems
 

@@ -46,7 +46,7 @@ from torch.overrides import TorchFunctionMode
 
 
 def _normalised(x: torch.Tensor, dims: tuple[int, ...], eps: float) -> torch.Tensor:
-    """(x − mean) / √(var + eps) over ``dims`` (the biased variance, as PyTorch's normalisations), in plain operators."""
+    """(x − mean) / √(var + eps) over ``dims`` (the biased variance, as PyTorch's norms), in plain operators."""
     centred = x - x.mean(dims, keepdim=True)
     return centred * torch.rsqrt(centred.pow(2).mean(dims, keepdim=True) + eps)
 
@@ -95,7 +95,8 @@ _SOFTMAXES = {F.softmax: _softmax, torch.softmax: _softmax, torch.Tensor.softmax
 def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                enable_gqa: bool = False) -> torch.Tensor | None:
-    """softmax(QKᵀ·scale + mask)V out of place (None where dropout or grouped-query attention asks for PyTorch's own)."""
+    """softmax(QKᵀ·scale + mask)V in plain operators (None where dropout or grouped-query attention asks for
+    PyTorch's own)."""
     if dropout_p > 0 or enable_gqa:
         return None
     scores = query @ key.transpose(-2, -1) * (query.shape[-1] ** -0.5 if scale is None else scale)

@@ -85,7 +85,10 @@ class ShrinkingProducts:
         return 2 * rows.numel() <= self.rows.numel()
 
     def _holds(self, rows: torch.Tensor) -> bool:
-        """Whether every row asked for is in S (a mask over the batch: ``torch.isin`` sorts, 1 ms a call on a CPU)."""
+        """Whether every row asked for is in S (a mask over the batch: ``torch.isin`` sorts, 1 ms a call on a CPU). S
+        the whole batch holds every row without the mask, which on a GPU would wait on the device at every product."""
+        if self.rows.numel() == self.op.batch_size:
+            return True
         mask = torch.zeros(self.op.batch_size, dtype=torch.bool, device=rows.device)
         mask[self.rows] = True
         return bool(mask[rows].all())

@@ -15,7 +15,8 @@ from flguard.guard.failure import GuardFailure
 from flguard.guard.perturb import AUTO_MAX_MOVE, averaged_square
 from flguard.risk.operator import JacobianOperator
 
-__all__ = ["AdaptiveClip", "CLIP_MAX_MOVE", "clip_level", "lower_quantile", "retained_clip_level"]
+__all__ = ["AdaptiveClip", "CLIP_MAX_DAMAGE", "CLIP_MAX_MOVE", "clip_level", "lower_quantile",
+           "retained_clip_level"]
 
 
 def clip_level(setting: float | str, op: JacobianOperator, quantile: float = 0.5,
@@ -99,15 +100,25 @@ def retained_clip_level(gradients: torch.Tensor, lowest: float, retention: float
 CLIP_MAX_MOVE = AUTO_MAX_MOVE / 2
 CLIP_MOVE_STEPS = 8
 CLIP_MEDIAN_STEPS = 8
+#: ``"auto"`` also drops the retention level where its noise undoes the steps' progress: the batch loss the sent
+#: noise adds to the SGD step (D, ``flguard.guard.damage``), exponentially averaged over CLIP_MOVE_STEPS steps this
+#: one included, above CLIP_MAX_DAMAGE × the loss the clipped step itself removes (P, averaged alike). The move
+#: says how far the noise takes the weights, not what that costs: on a trained ViT the retention level's resolvent
+#: noise moved them 1–4.6% a step, within CLIP_MAX_MOVE, while adding 2–11× the steps' progress to the batch loss,
+#: and five steps took held-out accuracy from 93.6% to 54%; on the trained quickstart CNN the same noise adds about
+#: a tenth of the progress (docs/results.md, "The noise's damage, measured").
+CLIP_MAX_DAMAGE = 1.0
 
 
 class AdaptiveClip:
     """``clip_per_sample="auto"`` across steps: which level a step starts from (``setting``), and whether the
     noise that level needed moves the parameters too far (``too_far``), from the sent noises' recent moves
-    m = step size·‖noise‖/‖θ‖. Without a step size there is nothing to judge the move by: the median."""
+    m = step size·‖noise‖/‖θ‖, or undoes the steps' progress (``harmful``, from their recent effect on the batch
+    loss). Without a step size there is nothing to judge either by: the median."""
 
     def __init__(self) -> None:
         self._square: float | None = None  # the sent noises' mean square move, exponentially averaged
+        self._effect: tuple[float, float] | None = None  # the steps' progress and their noise's damage, averaged
         self._median_steps = 0  # steps left that take the median directly (CLIP_MEDIAN_STEPS)
 
     def setting(self, move_scale: float | None) -> str:
@@ -124,13 +135,33 @@ class AdaptiveClip:
         CLIP_MAX_MOVE (nothing is recorded: ``record`` the move actually sent)."""
         return self._averaged(move) ** 0.5 > CLIP_MAX_MOVE
 
+    def harmful(self, effect: tuple[float, float]) -> bool:
+        """Whether a step sent with this ``effect`` (its progress P and its noise's damage D, ``flguard.guard.damage``)
+        would lift the recent damage over CLIP_MAX_DAMAGE × the recent progress (averages as ``record`` keeps them;
+        nothing is recorded). A non-finite damage is harmful."""
+        progress, damage = self._averaged_effect(effect)
+        return not damage <= CLIP_MAX_DAMAGE * max(progress, 0.0)
+
     def fall_back(self) -> None:
-        """The retention level moved too far: the next CLIP_MEDIAN_STEPS steps take the median."""
+        """The retention level moved too far or did harm: the next CLIP_MEDIAN_STEPS steps take the median."""
         self._median_steps = CLIP_MEDIAN_STEPS
 
-    def record(self, move: float) -> None:
-        """The move of the noise sent this step (zero noise, a withheld step: not recorded)."""
+    def record(self, move: float, effect: tuple[float, float] | None = None) -> None:
+        """The move of the noise sent this step, and its ``effect`` where measured (zero noise, a withheld step: not
+        recorded)."""
         self._square = self._averaged(move)
+        if effect is not None:
+            self._effect = self._averaged_effect(effect)
+
+    @property
+    def recent_effect(self) -> tuple[float, float] | None:
+        """The recent steps' averaged progress and damage (None before the first)."""
+        return self._effect
+
+    def _averaged_effect(self, effect: tuple[float, float]) -> tuple[float, float]:
+        if self._effect is None:
+            return effect
+        return tuple(old + (new - old) / CLIP_MOVE_STEPS for old, new in zip(self._effect, effect))  # type: ignore
 
     @property
     def recent_move(self) -> float | None:

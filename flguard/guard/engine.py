@@ -24,6 +24,7 @@ from flguard.defenses import draw_generator
 from flguard.defenses.gaussian import isotropic
 from flguard.guard.clipping import CLIP_MAX_MOVE, AdaptiveClip, clip_level, lower_quantile
 from flguard.guard.config import THRESHOLD_DEFENSES, GuardConfig
+from flguard.guard.damage import StepEffect, step_effect
 from flguard.guard.failure import GuardFailure, dead_network_reason, failure_reason
 from flguard.guard.floor import Outcome, noise_budget
 from flguard.guard.model_check import require_supported
@@ -87,7 +88,11 @@ class Guard:
                 if cfg.clip_per_sample is None:
                     outcome = self._perturber.perturb(op, flat, None, self._generator(x.device), move_scale=move_scale)
                 else:  # the attacker then inverts the clipped upload
-                    op, outcome, clip_details = self._clipped_step(op, flat, move_scale, self._generator(x.device))
+                    # clip_per_sample="auto" also judges what its noise does to the step (flguard.guard.damage)
+                    effect = (step_effect(op, step_size) if move_scale is not None and cfg.clip_per_sample == "auto"
+                              else None)
+                    op, outcome, clip_details = self._clipped_step(op, flat, move_scale, self._generator(x.device),
+                                                                   effect)
                     clip_share = float((op.sample_norms <= op.clip).double().mean())
                     flat = op.gradient
         except Exception as error:  # fail closed on anything, with the reason in the report
@@ -108,12 +113,14 @@ class Guard:
         return self._apply_policy(flat, gradient, report, start)
 
     def _clipped_step(self, op: JacobianOperator, flat: torch.Tensor, move_scale: float | None,
-                      generator: torch.Generator) -> tuple[ClippedJacobian, Outcome, dict]:
+                      generator: torch.Generator, effect: StepEffect | None = None
+                      ) -> tuple[ClippedJacobian, Outcome, dict]:
         """The step on the clipped upload's operator at this step's C: (that operator, the defense's outcome,
         what the report says of the level). ``clip_per_sample="auto"`` (``flguard.guard.clipping.AdaptiveClip``)
         starts from the retention level, where ``auto`` sends the Gaussian only while its moves stay within
-        CLIP_MAX_MOVE, and where the noise sent would still move the parameters too far it redoes the step at the
-        median (its products count against the same step limit)."""
+        CLIP_MAX_MOVE, and where the noise sent would still move the parameters too far, or undo the steps' progress
+        (``effect``: its progress and damage on the batch loss, CLIP_MAX_DAMAGE), it redoes the step at the median
+        (its products count against the same step limit)."""
         cfg = self.config
         setting = self._adaptive_clip.setting(move_scale) if cfg.clip_per_sample == "auto" else cfg.clip_per_sample
         clipped = _clipped(op, flat, clip_level(setting, op, cfg.clip_quantile, cfg.clip_retention))
@@ -128,11 +135,18 @@ class Guard:
         details = {"clip_rule": setting}
         if move_scale is not None and outcome.met:
             move = move_scale * float(outcome.noise.norm())
+            measured = _measured_effect(effect, clipped, outcome, details)
             median = lower_quantile(clipped.sample_norms, 0.5)  # clip_level's median, from the norms at hand
-            if setting == "retention" and self._clip > median and self._adaptive_clip.too_far(move):
+            far = setting == "retention" and self._clip > median and self._adaptive_clip.too_far(move)
+            harm = (setting == "retention" and self._clip > median and not far and measured is not None
+                    and self._adaptive_clip.harmful(measured))
+            if far or harm:
+                why = (f"its noise would move the parameters by {move:.1%} of their norm, over {CLIP_MAX_MOVE:.0%} "
+                       "root mean square over the recent steps" if far else
+                       f"its noise would add {measured[1]:.3g} to the batch loss against the {measured[0]:.3g} the "
+                       "step removes: over the recent steps, more than the steps' progress")
                 details["clip_reasons"] = (f"retention (C = {self._clip:.4g}, {self._clip / median:.3g}× the median): "
-                                           f"its noise would move the parameters by {move:.1%} of their norm, over "
-                                           f"{CLIP_MAX_MOVE:.0%} root mean square over the recent steps")
+                                           + why)
                 self._perturber.restore(memory)  # the retention attempt is not a step auto learns from
                 self._adaptive_clip.fall_back()
                 clipped = ClippedJacobian(op, median)  # ``flat`` was checked against this operator above
@@ -140,8 +154,9 @@ class Guard:
                 outcome = self._perturber.perturb(clipped, clipped.gradient, self._clip, generator,
                                                   move_scale=move_scale)
                 move = move_scale * float(outcome.noise.norm())
+                measured = _measured_effect(effect, clipped, outcome, details) if outcome.met else None
             if outcome.met:
-                self._adaptive_clip.record(move)
+                self._adaptive_clip.record(move, measured)
         return clipped, outcome, details
 
     # -- fail closed ------------------------------------------------------------------------
@@ -176,6 +191,18 @@ class Guard:
             report.seconds = time.perf_counter() - start
             return GuardOutput(None, report)
         return self._apply_policy(gradient.reshape(-1) if finite else gradient, gradient, report, start)
+
+
+def _measured_effect(effect: StepEffect | None, clipped: ClippedJacobian, outcome: Outcome,
+                     details: dict) -> tuple[float, float] | None:
+    """(progress, damage) of the step ``outcome`` would send (``flguard.guard.damage``), written into ``details``
+    (``step_progress``, ``noise_damage``); None without ``effect``."""
+    if effect is None:
+        return None
+    update = clipped.gradient if outcome.update is None else outcome.update
+    progress, damage = effect(update, outcome.noise)
+    details["step_progress"], details["noise_damage"] = progress, damage
+    return progress, damage
 
 
 def _move_scale(model: nn.Module, step_size: float | None) -> float | None:

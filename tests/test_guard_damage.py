@@ -1,0 +1,149 @@
+"""What the noise sent does to the SGD step that applies it (``flguard.guard.damage``), and ``clip_per_sample="auto"``
+leaving its raised level where that noise undoes the steps' progress (``AdaptiveClip.harmful``), on a 3-channel
+GroupNorm ResNet. References: SGD steps taken on copies of the model and the batch loss evaluated there; the dense
+clipped upload from autograd per-sample gradients; the running averages written out."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad
+
+from flguard import Guard, GuardConfig
+from flguard.guard import clipping
+from flguard.guard.clipping import CLIP_MAX_DAMAGE, CLIP_MEDIAN_STEPS, CLIP_MOVE_STEPS, AdaptiveClip
+from flguard.guard.damage import step_effect
+from flguard.models import create
+from flguard.risk.clipped import ClippedJacobian
+from flguard.risk.operator import JacobianOperator
+
+RETENTION = 0.9  # high enough that the retention level is above the median on this batch
+STEP = 0.02  # an SGD step whose noise moves the weights far less than CLIP_MAX_MOVE here
+
+
+@pytest.fixture(scope="module")
+def problem():
+    torch.manual_seed(0)
+    model = create("resnet8_gn", image_size=6).double()
+    x, y = torch.randn(8, 3, 6, 6, dtype=torch.float64), torch.arange(8) % 10
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    rows = []
+    for i in range(8):
+        tree = grad(lambda p: nn.functional.cross_entropy(functional_call(model, p, x[i:i + 1]), y[i:i + 1]))(params)
+        rows.append(torch.cat([t.reshape(-1) for t in tree.values()]))
+    return model, x, y, torch.stack(rows)
+
+
+def _config() -> GuardConfig:
+    return GuardConfig(defense="auto", clip_per_sample="auto", min_rmse=0.2, seed=2, clip_retention=RETENTION,
+                       max_rel_noise=1e6, max_excluded=0.0)
+
+
+def _loss_after(model, x, y, direction: torch.Tensor, step: float) -> float:
+    """The batch loss after θ − step·direction, on a copy of the model."""
+    moved, offset = copy.deepcopy(model), 0
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.sub_(step * direction[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return float(nn.functional.cross_entropy(moved(x), y))
+
+
+def _reference_effect(model, x, y, update, noise, step) -> tuple[float, float]:
+    stepped = _loss_after(model, x, y, update, step)
+    return _loss_after(model, x, y, torch.zeros_like(update), step) - stepped, \
+        _loss_after(model, x, y, update + noise, step) - stepped
+
+
+def _upload(per: torch.Tensor, clip: float) -> torch.Tensor:
+    """The dense clipped upload Σ_i min(1, C/‖g_i‖)·g_i / B at ``clip``."""
+    return (per * torch.clamp(clip / per.norm(dim=1), max=1.0)[:, None]).sum(0) / per.shape[0]
+
+
+def test_step_effect_is_the_progress_and_the_damage_of_the_sgd_step(problem):
+    model, x, y, per = problem
+    g = per.mean(0)
+    noise = torch.randn(g.shape, dtype=g.dtype, generator=torch.Generator().manual_seed(1))
+    op = JacobianOperator(model, x, y)
+    for on in (op, ClippedJacobian(op, 0.5)):  # a clipped operator: its base's batch and parameters
+        for step in (1e-3, 0.3):
+            progress, damage = step_effect(on, step)(g, noise)
+            reference = _reference_effect(model, x, y, g, noise, step)
+            assert progress == pytest.approx(reference[0], rel=1e-9, abs=1e-13)
+            assert damage == pytest.approx(reference[1], rel=1e-9, abs=1e-13)
+    assert step_effect(op, 1e-3)(g, torch.zeros_like(g))[1] == 0.0
+    assert step_effect(op, 1e-3)(g, torch.full_like(g, float("nan")))[1] == float("inf")
+
+
+def test_the_running_averages_written_out():
+    rule = AdaptiveClip()
+    assert rule.recent_effect is None
+    assert not rule.harmful((0.10, 0.0999)) and rule.harmful((0.10, 0.1001))  # a first step: its own ratio
+    assert rule.harmful((-0.01, 1e-9)) and not rule.harmful((-0.01, 0.0))  # no progress: any damage is harm
+    assert rule.harmful((0.1, float("inf")))
+    rule.record(0.01, (0.10, 0.02))
+    assert rule.recent_effect == (0.10, 0.02) and rule.recent_move == pytest.approx(0.01)
+    # P̄ = 0.1 + (p − 0.1)/8, D̄ = 0.02 + (d − 0.02)/8; harmful ⟺ D̄ > CLIP_MAX_DAMAGE·P̄; at p = 0.1: d > 0.1·8 − 0.02·7
+    assert CLIP_MAX_DAMAGE == 1.0 and CLIP_MOVE_STEPS == 8
+    edge = 0.1 * 8 - 0.02 * 7
+    assert not rule.harmful((0.10, 0.999 * edge)) and rule.harmful((0.10, 1.001 * edge))
+    assert rule.recent_effect == (0.10, 0.02)  # harmful records nothing
+    rule.record(0.01)  # a step whose effect was not measured keeps the average
+    assert rule.recent_effect == (0.10, 0.02)
+    rule.record(0.01, (0.02, 0.10))
+    assert rule.recent_effect == pytest.approx((0.09, 0.03))
+
+
+def test_the_report_carries_the_step_effect_of_what_is_sent(problem):
+    """The retention level kept (damage under the limit here): the progress and damage reported are those of the
+    dense clipped upload at the reported C and of the noise sent on top of it."""
+    model, x, y, per = problem
+    out = Guard(_config()).protect(model, x, y, per.mean(0), step_size=STEP)
+    details = out.report.details
+    assert out.report.met and details["clip_rule"] == "retention" and "clip_reasons" not in details
+    upload = _upload(per, details["clip"])
+    reference = _reference_effect(model, x, y, upload, out.gradient - upload, STEP)
+    assert details["step_progress"] == pytest.approx(reference[0], rel=1e-6)
+    assert details["noise_damage"] == pytest.approx(reference[1], rel=1e-6)
+    assert details["noise_damage"] < CLIP_MAX_DAMAGE * details["step_progress"]
+
+
+def test_noise_that_undoes_the_steps_progress_redoes_the_step_at_the_median(problem, monkeypatch):
+    """With the limit just under this draw's damage ÷ progress the retention level is left: the step is sent at the
+    median (what is sent minus the dense clipped upload there is the noise), the reply says why with the measured
+    numbers, and the next CLIP_MEDIAN_STEPS steps take the median; just over it, the retention level is kept."""
+    model, x, y, per = problem
+    g = per.mean(0)
+    probe = Guard(_config()).protect(model, x, y, g, step_size=STEP).report.details
+    ratio = probe["noise_damage"] / probe["step_progress"]
+    assert ratio > 0  # this draw adds loss: the limit can sit on either side of it
+    monkeypatch.setattr(clipping, "CLIP_MAX_DAMAGE", 1.001 * ratio)
+    kept = Guard(_config()).protect(model, x, y, g, step_size=STEP)
+    assert kept.report.details["clip_rule"] == "retention"
+    monkeypatch.setattr(clipping, "CLIP_MAX_DAMAGE", 0.999 * ratio)
+    guard = Guard(_config())
+    out = guard.protect(model, x, y, g, step_size=STEP)
+    details = out.report.details
+    assert out.report.met and details["clip_rule"] == "median"
+    assert f"its noise would add {probe['noise_damage']:.3g} to the batch loss against the " \
+           f"{probe['step_progress']:.3g} the step removes" in details["clip_reasons"]
+    median = float(per.norm(dim=1).sort().values[3])  # the lower median of 8
+    assert details["clip"] == pytest.approx(median, rel=1e-6)
+    upload = _upload(per, median)
+    torch.testing.assert_close(out.report.noise_norm, float((out.gradient - upload).norm()))
+    reference = _reference_effect(model, x, y, upload, out.gradient - upload, STEP)
+    assert details["step_progress"] == pytest.approx(reference[0], rel=1e-6)  # the median's step, as sent
+    assert details["noise_damage"] == pytest.approx(reference[1], rel=1e-6)
+    later = [guard.protect(model, x, y, g, step_size=STEP).report.details for _ in range(CLIP_MEDIAN_STEPS)]
+    assert all(d["clip_rule"] == "median" and "clip_reasons" not in d for d in later)
+
+
+def test_an_explicit_clip_level_measures_nothing(problem):
+    model, x, y, per = problem
+    out = Guard(GuardConfig(defense="auto", clip_per_sample="retention", min_rmse=0.2, seed=2,
+                            clip_retention=RETENTION, max_rel_noise=1e6, max_excluded=0.0)).protect(
+        model, x, y, per.mean(0), step_size=STEP)
+    assert out.report.met and "noise_damage" not in out.report.details

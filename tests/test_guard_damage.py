@@ -70,10 +70,11 @@ def test_step_effect_is_the_progress_and_the_damage_of_the_sgd_step(problem):
     op = JacobianOperator(model, x, y)
     for on in (op, ClippedJacobian(op, 0.5)):  # a clipped operator: its base's batch and parameters
         for step in (1e-3, 0.3):
-            progress, damage = step_effect(on, step)(g, noise)
+            progress, damage, loss = step_effect(on, step)(g, noise)
             reference = _reference_effect(model, x, y, g, noise, step)
             assert progress == pytest.approx(reference[0], rel=1e-9, abs=1e-13)
             assert damage == pytest.approx(reference[1], rel=1e-9, abs=1e-13)
+            assert loss == pytest.approx(_loss_after(model, x, y, torch.zeros_like(g), step), rel=1e-12)
     assert step_effect(op, 1e-3)(g, torch.zeros_like(g))[1] == 0.0
     assert step_effect(op, 1e-3)(g, torch.full_like(g, float("nan")))[1] == float("inf")
 
@@ -81,20 +82,26 @@ def test_step_effect_is_the_progress_and_the_damage_of_the_sgd_step(problem):
 def test_the_running_averages_written_out():
     rule = AdaptiveClip()
     assert rule.recent_effect is None
-    assert not rule.harmful((0.10, 0.0999)) and rule.harmful((0.10, 0.1001))  # a first step: its own ratio
-    assert rule.harmful((-0.01, 1e-9)) and not rule.harmful((-0.01, 0.0))  # no progress: any damage is harm
-    assert rule.harmful((0.1, float("inf")))
-    rule.record(0.01, (0.10, 0.02))
-    assert rule.recent_effect == (0.10, 0.02) and rule.recent_move == pytest.approx(0.01)
+    assert not rule.harmful((0.10, 0.0999, 1.0)) and rule.harmful((0.10, 0.1001, 1.0))  # a first step: its own ratio
+    assert rule.harmful((-0.01, 1e-9, 1.0)) and not rule.harmful((-0.01, 0.0, 1.0))  # no progress: any damage harms
+    assert rule.harmful((0.1, float("inf"), 1.0)) and rule.ruinous((0.1, float("inf"), 1.0))
+    # ruinous: D > P and D > WITHHOLD_LOSS_SHARE·L, both
+    assert clipping.WITHHOLD_LOSS_SHARE == 0.5
+    assert rule.ruinous((0.1, 0.51, 1.0)) and not rule.ruinous((0.1, 0.49, 1.0)) and not rule.ruinous((0.6, 0.59, 1.0))
+    rule.record(0.01, (0.10, 0.02, 1.0))
+    assert rule.recent_effect == (0.10, 0.02, 1.0) and rule.recent_move == pytest.approx(0.01)
     # P̄ = 0.1 + (p − 0.1)/8, D̄ = 0.02 + (d − 0.02)/8; harmful ⟺ D̄ > CLIP_MAX_DAMAGE·P̄; at p = 0.1: d > 0.1·8 − 0.02·7
     assert CLIP_MAX_DAMAGE == 1.0 and CLIP_MOVE_STEPS == 8
     edge = 0.1 * 8 - 0.02 * 7
-    assert not rule.harmful((0.10, 0.999 * edge)) and rule.harmful((0.10, 1.001 * edge))
-    assert rule.recent_effect == (0.10, 0.02)  # harmful records nothing
+    assert not rule.harmful((0.10, 0.999 * edge, 1.0)) and rule.harmful((0.10, 1.001 * edge, 1.0))
+    # ruinous at L = 1: D̄ > 0.5 L̄ binds (above P̄'s edge): d > 0.5·8 − 0.02·7
+    share_edge = 0.5 * 8 - 0.02 * 7
+    assert not rule.ruinous((0.10, 0.999 * share_edge, 1.0)) and rule.ruinous((0.10, 1.001 * share_edge, 1.0))
+    assert rule.recent_effect == (0.10, 0.02, 1.0)  # neither records anything
     rule.record(0.01)  # a step whose effect was not measured keeps the average
-    assert rule.recent_effect == (0.10, 0.02)
-    rule.record(0.01, (0.02, 0.10))
-    assert rule.recent_effect == pytest.approx((0.09, 0.03))
+    assert rule.recent_effect == (0.10, 0.02, 1.0)
+    rule.record(0.01, (0.02, 0.10, 2.0))
+    assert rule.recent_effect == pytest.approx((0.09, 0.03, 1.125))
 
 
 def test_the_report_carries_the_step_effect_of_what_is_sent(problem):
@@ -108,6 +115,8 @@ def test_the_report_carries_the_step_effect_of_what_is_sent(problem):
     reference = _reference_effect(model, x, y, upload, out.gradient - upload, STEP)
     assert details["step_progress"] == pytest.approx(reference[0], rel=1e-6)
     assert details["noise_damage"] == pytest.approx(reference[1], rel=1e-6)
+    with torch.no_grad():
+        assert details["batch_loss"] == pytest.approx(float(nn.functional.cross_entropy(model(x), y)), rel=1e-9)
     assert details["noise_damage"] < CLIP_MAX_DAMAGE * details["step_progress"]
 
 
@@ -147,3 +156,29 @@ def test_an_explicit_clip_level_measures_nothing(problem):
                             clip_retention=RETENTION, max_rel_noise=1e6, max_excluded=0.0)).protect(
         model, x, y, per.mean(0), step_size=STEP)
     assert out.report.met and "noise_damage" not in out.report.details
+
+
+def test_noise_that_would_undo_training_withholds_the_step(problem, monkeypatch):
+    """At a step size where this draw's noise adds more loss than the step removes (D > P; the step is sent at the
+    median, the move rule's), a WITHHOLD_LOSS_SHARE just under D ÷ L withholds it — the reason names the three numbers
+    and nothing of it is recorded — and just over it sends it; where D < P no share withholds."""
+    model, x, y, per = problem
+    g = per.mean(0)
+    monkeypatch.setattr(clipping, "WITHHOLD_LOSS_SHARE", float("inf"))
+    probe = Guard(_config()).protect(model, x, y, g, step_size=0.3).report.details
+    progress, damage, loss = probe["step_progress"], probe["noise_damage"], probe["batch_loss"]
+    assert damage > progress > 0 and probe["clip_rule"] == "median"
+    assert loss == pytest.approx(_loss_after(model, x, y, torch.zeros_like(g), 0.3), rel=1e-9)
+    monkeypatch.setattr(clipping, "WITHHOLD_LOSS_SHARE", 1.001 * damage / loss)
+    assert Guard(_config()).protect(model, x, y, g, step_size=0.3).gradient is not None
+    monkeypatch.setattr(clipping, "WITHHOLD_LOSS_SHARE", 0.999 * damage / loss)
+    guard = Guard(_config())
+    out = guard.protect(model, x, y, g, step_size=0.3)
+    assert out.gradient is None and not out.report.met
+    assert (f"the floor needs noise that would undo training: it would add {damage:.3g} to the batch loss of "
+            f"{loss:.3g}, against the {progress:.3g} the step removes") in out.report.reason
+    assert "(update dropped)" in out.report.reason
+    assert guard._adaptive_clip.recent_effect is None and guard._adaptive_clip.recent_move is None
+    monkeypatch.setattr(clipping, "WITHHOLD_LOSS_SHARE", 0.0)  # where the step gains more than its noise costs
+    small = Guard(_config()).protect(model, x, y, g, step_size=STEP)
+    assert small.report.details["noise_damage"] < small.report.details["step_progress"] and small.gradient is not None

@@ -24,12 +24,12 @@ import torch
 
 from flguard.risk.clipped import Jacobian, base_operator
 
-#: (update [dθ], noise [dθ]) → (P, D) (module doc); +inf damage where a loss is not finite
-StepEffect = Callable[[torch.Tensor, torch.Tensor], tuple[float, float]]
+#: (update [dθ], noise [dθ]) → (P, D, L_B(θ)) (module doc); +inf damage where a loss is not finite
+StepEffect = Callable[[torch.Tensor, torch.Tensor], tuple[float, float, float]]
 
 
 def step_effect(op: Jacobian, step_size: float) -> StepEffect:
-    """(P, D) on ``op``'s whole batch and parameters for SGD steps of size ``step_size`` (module doc)."""
+    """(P, D, L_B(θ)) on ``op``'s whole batch and parameters for SGD steps of size ``step_size`` (module doc)."""
     base = base_operator(op)
     shapes = [(name, base.params[name]) for name in base.names]
 
@@ -43,9 +43,9 @@ def step_effect(op: Jacobian, step_size: float) -> StepEffect:
             loss = float(base.loss_fn(base._forward(params, base.x), base.y))
         return loss if abs(loss) < float("inf") else float("inf")  # NaN too
 
-    def effect(update: torch.Tensor, noise: torch.Tensor) -> tuple[float, float]:
-        stepped = loss_at(update)
+    def effect(update: torch.Tensor, noise: torch.Tensor) -> tuple[float, float, float]:
+        before, stepped = loss_at(None), loss_at(update)
         damage = loss_at(update + noise) - stepped
-        return loss_at(None) - stepped, damage if damage == damage else float("inf")
+        return before - stepped, damage if damage == damage else float("inf"), before
 
     return effect

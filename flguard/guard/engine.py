@@ -22,6 +22,7 @@ from torch import nn
 
 from flguard.defenses import draw_generator
 from flguard.defenses.gaussian import isotropic
+from flguard.guard import clipping
 from flguard.guard.clipping import CLIP_MAX_MOVE, AdaptiveClip, clip_level, lower_quantile
 from flguard.guard.config import THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard.damage import StepEffect, step_effect
@@ -155,7 +156,14 @@ class Guard:
                                                   move_scale=move_scale)
                 move = move_scale * float(outcome.noise.norm())
                 measured = _measured_effect(effect, clipped, outcome, details) if outcome.met else None
-            if outcome.met:
+            if outcome.met and measured is not None and self._adaptive_clip.ruinous(measured):
+                outcome.met = False  # the engine's policy: withheld (drop), with the reason
+                outcome.reason = (f"the floor needs noise that would undo training: it would add {measured[1]:.3g} to "
+                                  f"the batch loss of {measured[2]:.3g}, against the {measured[0]:.3g} the step "
+                                  "removes (over the recent steps, more than the steps' progress and more than "
+                                  f"{clipping.WITHHOLD_LOSS_SHARE:.0%} of the loss; a larger batch or a weaker floor "
+                                  "needs less noise)")
+            elif outcome.met:
                 self._adaptive_clip.record(move, measured)
         return clipped, outcome, details
 
@@ -194,15 +202,15 @@ class Guard:
 
 
 def _measured_effect(effect: StepEffect | None, clipped: ClippedJacobian, outcome: Outcome,
-                     details: dict) -> tuple[float, float] | None:
-    """(progress, damage) of the step ``outcome`` would send (``flguard.guard.damage``), written into ``details``
-    (``step_progress``, ``noise_damage``); None without ``effect``."""
+                     details: dict) -> tuple[float, float, float] | None:
+    """(progress, damage, batch loss) of the step ``outcome`` would send (``flguard.guard.damage``), written into
+    ``details`` (``step_progress``, ``noise_damage``, ``batch_loss``); None without ``effect``."""
     if effect is None:
         return None
     update = clipped.gradient if outcome.update is None else outcome.update
-    progress, damage = effect(update, outcome.noise)
-    details["step_progress"], details["noise_damage"] = progress, damage
-    return progress, damage
+    measured = effect(update, outcome.noise)
+    details["step_progress"], details["noise_damage"], details["batch_loss"] = measured
+    return measured
 
 
 def _move_scale(model: nn.Module, step_size: float | None) -> float | None:

@@ -99,3 +99,26 @@ def assert_reported_rmse(report, dense: torch.Tensor, rtol: float, where: torch.
     assert torch.all((reported - dense).abs() <= error + rtol * dense), (reported, dense, error)
     binding = int(dense.argmin())
     assert float(error[binding]) <= (solver_rtol or rtol) * float(dense[binding]), (error, dense)
+
+
+def per_sample_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """∇_θ ℓ(f(x_i), y_i) [B, dθ] for the cross-entropy of each sample alone, by autograd one sample at a time."""
+    from torch.func import functional_call, grad
+
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    rows = []
+    for i in range(x.shape[0]):
+        tree = grad(lambda p: nn.functional.cross_entropy(functional_call(model, p, x[i:i + 1]), y[i:i + 1]))(params)
+        rows.append(torch.cat([t.reshape(-1) for t in tree.values()]))
+    return torch.stack(rows)
+
+
+def resnet8_gn_batch() -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(model, x, y, per-sample gradients): the zoo's 3-channel GroupNorm ResNet-8 in float64 on eight 6×6 inputs,
+    seeded — the guard's clip-level and damage tests' batch."""
+    from flguard.models import create
+
+    torch.manual_seed(0)
+    model = create("resnet8_gn", image_size=6).double()
+    x, y = torch.randn(8, 3, 6, 6, dtype=torch.float64), torch.arange(8) % 10
+    return model, x, y, per_sample_gradients(model, x, y)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad
 
-from risk_reference import tiny_conv_problem
+from risk_reference import per_sample_gradients, tiny_conv_problem
 
 from flguard import Guard, GuardConfig
 from flguard.risk import clipped
@@ -181,12 +181,7 @@ def test_the_retention_clip_level_on_a_groupnorm_resnet_matches_a_brute_force_se
     torch.manual_seed(0)
     model = create("resnet8_gn", image_size=6).double()
     x, y = torch.randn(8, 3, 6, 6, dtype=torch.float64), torch.arange(8) % 10
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    rows = []
-    for i in range(8):
-        tree = grad(lambda p: nn.functional.cross_entropy(functional_call(model, p, x[i:i + 1]), y[i:i + 1]))(params)
-        rows.append(torch.cat([t.reshape(-1) for t in tree.values()]))
-    per = torch.stack(rows)
+    per = per_sample_gradients(model, x, y)
     norms, g = per.norm(dim=1), per.sum(dim=0)
     ordered = norms.sort().values
     expected = next(float(c) for c in ordered[3:]  # the lower median of 8 is the 4th smallest

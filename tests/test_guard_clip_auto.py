@@ -9,34 +9,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-from torch.func import functional_call, grad
 
 from flguard import Guard, GuardConfig
 from flguard.guard import clipping
 from flguard.guard.clipping import CLIP_MAX_MOVE, CLIP_MEDIAN_STEPS, CLIP_MOVE_STEPS, AdaptiveClip
+from risk_reference import resnet8_gn_batch
 
 TAU = 0.2
 RETENTION = 0.9  # high enough that the retention level is above the median on this batch
 
 
-def _per_sample(model, x, y) -> torch.Tensor:
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    rows = []
-    for i in range(x.shape[0]):
-        tree = grad(lambda p: nn.functional.cross_entropy(functional_call(model, p, x[i:i + 1]), y[i:i + 1]))(params)
-        rows.append(torch.cat([t.reshape(-1) for t in tree.values()]))
-    return torch.stack(rows)
-
-
 @pytest.fixture(scope="module")
 def problem():
-    from flguard.models import create
-
-    torch.manual_seed(0)
-    model = create("resnet8_gn", image_size=6).double()
-    x, y = torch.randn(8, 3, 6, 6, dtype=torch.float64), torch.arange(8) % 10
-    per = _per_sample(model, x, y)
+    model, x, y, per = resnet8_gn_batch()
     norms, g = per.norm(dim=1), per.sum(dim=0)
     median = float(norms.sort().values[3])  # the lower median of 8
     retained = next(float(c) for c in norms.sort().values[3:]

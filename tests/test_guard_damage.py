@@ -10,15 +10,14 @@ import copy
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call, grad
 
 from flguard import Guard, GuardConfig
 from flguard.guard import clipping
 from flguard.guard.clipping import CLIP_MAX_DAMAGE, CLIP_MEDIAN_STEPS, CLIP_MOVE_STEPS, AdaptiveClip
 from flguard.guard.damage import step_effect
-from flguard.models import create
 from flguard.risk.clipped import ClippedJacobian
 from flguard.risk.operator import JacobianOperator
+from risk_reference import resnet8_gn_batch
 
 RETENTION = 0.9  # high enough that the retention level is above the median on this batch
 STEP = 0.02  # an SGD step whose noise moves the weights far less than CLIP_MAX_MOVE here
@@ -26,15 +25,7 @@ STEP = 0.02  # an SGD step whose noise moves the weights far less than CLIP_MAX_
 
 @pytest.fixture(scope="module")
 def problem():
-    torch.manual_seed(0)
-    model = create("resnet8_gn", image_size=6).double()
-    x, y = torch.randn(8, 3, 6, 6, dtype=torch.float64), torch.arange(8) % 10
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    rows = []
-    for i in range(8):
-        tree = grad(lambda p: nn.functional.cross_entropy(functional_call(model, p, x[i:i + 1]), y[i:i + 1]))(params)
-        rows.append(torch.cat([t.reshape(-1) for t in tree.values()]))
-    return model, x, y, torch.stack(rows)
+    return resnet8_gn_batch()
 
 
 def _config() -> GuardConfig:
@@ -90,7 +81,8 @@ def test_the_running_averages_written_out():
     assert rule.ruinous((0.1, 0.51, 1.0)) and not rule.ruinous((0.1, 0.49, 1.0)) and not rule.ruinous((0.6, 0.59, 1.0))
     rule.record(0.01, (0.10, 0.02, 1.0))
     assert rule.recent_effect == (0.10, 0.02, 1.0) and rule.recent_move == pytest.approx(0.01)
-    # P̄ = 0.1 + (p − 0.1)/8, D̄ = 0.02 + (d − 0.02)/8; harmful ⟺ D̄ > CLIP_MAX_DAMAGE·P̄; at p = 0.1: d > 0.1·8 − 0.02·7
+    # P̄ = 0.1 + (p − 0.1)/8, D̄ = 0.02 + (d − 0.02)/8; harmful ⟺ D̄ > CLIP_MAX_DAMAGE·P̄;
+    # at p = 0.1: d > 0.1·8 − 0.02·7
     assert CLIP_MAX_DAMAGE == 1.0 and CLIP_MOVE_STEPS == 8
     edge = 0.1 * 8 - 0.02 * 7
     assert not rule.harmful((0.10, 0.999 * edge, 1.0)) and rule.harmful((0.10, 1.001 * edge, 1.0))

@@ -121,7 +121,8 @@ class Guard:
         starts from the retention level, where ``auto`` sends the Gaussian only while its moves stay within
         CLIP_MAX_MOVE, and where the noise sent would still move the parameters too far, or undo the steps' progress
         (``effect``: its progress and damage on the batch loss, CLIP_MAX_DAMAGE), it redoes the step at the median
-        (its products count against the same step limit)."""
+        (its products count against the same step limit); at either level, noise that would undo training
+        (``AdaptiveClip.ruinous``, WITHHOLD_LOSS_SHARE) leaves the step unmet: withheld by the policy."""
         cfg = self.config
         setting = self._adaptive_clip.setting(move_scale) if cfg.clip_per_sample == "auto" else cfg.clip_per_sample
         clipped = _clipped(op, flat, clip_level(setting, op, cfg.clip_quantile, cfg.clip_retention))

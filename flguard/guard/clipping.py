@@ -104,7 +104,7 @@ CLIP_MEDIAN_STEPS = 8
 #: noise adds to the SGD step (D, ``flguard.guard.damage``), exponentially averaged over CLIP_MOVE_STEPS steps this
 #: one included, above CLIP_MAX_DAMAGE × the loss the clipped step itself removes (P, averaged alike). The move
 #: says how far the noise takes the weights, not what that costs: on a trained ViT the retention level's resolvent
-#: noise moved them 1–4.6% a step, within CLIP_MAX_MOVE, while adding 2–11× the steps' progress to the batch loss,
+#: noise moved them 0.6–4.6% a step, within CLIP_MAX_MOVE, while adding 2–11× the steps' progress to the batch loss,
 #: and five steps took held-out accuracy from 93.6% to 54%; on the trained quickstart CNN the same noise adds about
 #: a tenth of the progress (docs/results.md, "The noise's damage, measured").
 CLIP_MAX_DAMAGE = 1.0

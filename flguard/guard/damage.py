@@ -31,22 +31,24 @@ StepEffect = Callable[[torch.Tensor, torch.Tensor], tuple[float, float, float]]
 
 
 def step_effect(op: Jacobian, step_size: float) -> StepEffect:
-    """(P, D, L_B(θ)) on ``op``'s whole batch and parameters for SGD steps of size ``step_size`` (module doc)."""
+    """(P, D, L_B(θ)) on ``op``'s whole batch and parameters for SGD steps of size ``step_size`` (module doc). L_B(θ)
+    is taken once: a step redone at another clip level has the same θ and batch."""
     base = base_operator(op)
-    shapes = [(name, base.params[name]) for name in base.names]
+    values = [base.params[name] for name in base.names]
+    sizes = [value.numel() for value in values]
+    taken: list[float] = []  # L_B(θ), once
 
     def loss_at(flat: torch.Tensor | None) -> float:
-        params, offset = {}, 0
-        for name, value in shapes:
-            step = 0 if flat is None else step_size * flat[offset:offset + value.numel()].view_as(value).to(value)
-            params[name] = value - step
-            offset += value.numel()
+        moved = values if flat is None else [value - step_size * piece.view_as(value).to(value)
+                                             for value, piece in zip(values, flat.split(sizes))]
         with torch.no_grad():
-            loss = float(base.loss_fn(base._forward(params, base.x), base.y))
+            loss = float(base.loss_fn(base._forward(dict(zip(base.names, moved)), base.x), base.y))
         return loss if abs(loss) < float("inf") else float("inf")  # NaN too
 
     def effect(update: torch.Tensor, noise: torch.Tensor) -> tuple[float, float, float]:
-        before, stepped = loss_at(None), loss_at(update)
+        if not taken:
+            taken.append(loss_at(None))
+        before, stepped = taken[0], loss_at(update)
         damage = loss_at(update + noise) - stepped
         return before - stepped, damage if damage == damage else float("inf"), before
 

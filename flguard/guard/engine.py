@@ -139,9 +139,9 @@ class Guard:
             move = move_scale * float(outcome.noise.norm())
             measured = _measured_effect(effect, clipped, outcome, details)
             median = lower_quantile(clipped.sample_norms, 0.5)  # clip_level's median, from the norms at hand
-            far = setting == "retention" and self._clip > median and self._adaptive_clip.too_far(move)
-            harm = (setting == "retention" and self._clip > median and not far and measured is not None
-                    and self._adaptive_clip.harmful(measured))
+            raised = setting == "retention" and self._clip > median  # a lower level to fall back on
+            far = raised and self._adaptive_clip.too_far(move)
+            harm = raised and not far and measured is not None and self._adaptive_clip.harmful(measured)
             if far or harm:
                 why = (f"its noise would move the parameters by {move:.1%} of their norm, over {CLIP_MAX_MOVE:.0%} "
                        "root mean square over the recent steps" if far else

@@ -6,8 +6,9 @@
         --batch 32 --models mobilenet_v3_small,convnext_2stage
 
 With ``--train-steps N`` each model is first trained as a practitioner would (Adam, lr 1e-3, batches of 32 from the
-first 4,500 crops, its drop layers active), then given ``--steps`` guarded SGD steps (lr 0.01) through ``make_guarded``
-with the defaults, the layers ``check_model`` lists put in eval mode; printed per model: held-out accuracy (the last
+first 4,500 crops, its drop layers active), then given ``--steps`` guarded SGD steps (lr 0.01; ``--optimizer adam``:
+Adam at lr 1e-3, a fresh state; ``--lr`` either's) through ``make_guarded`` with the defaults (``--guard FIELD=VALUE``
+changes them), the layers ``check_model`` lists put in eval mode; printed per model: held-out accuracy (the last
 500 crops) after training, after the guarded steps and after the same steps unguarded, the steps sent, seconds per
 guarded step against the unguarded step's, products per sample and the withheld steps' reasons.
 
@@ -29,6 +30,8 @@ from collections import Counter
 
 import torch
 from torch import nn
+
+from _common import guard_settings
 
 
 def _builders() -> dict:
@@ -59,6 +62,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--models", default="", help="comma-separated names (default: all)")
     parser.add_argument("--train-steps", type=int, default=0, help="train each model first (Adam), then guard it")
+    parser.add_argument("--guard", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="GuardConfig fields beside the normalisation (trained mode)")
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                        help="the guarded (and unguarded control) steps' optimizer, trained mode")
+    parser.add_argument("--lr", type=float, default=None, help="its learning rate (default: sgd 0.01, adam 1e-3)")
     parser.add_argument("--steps", type=int, default=10, help="guarded steps of a trained model")
     args = parser.parse_args()
     if args.train_steps > 0:
@@ -116,6 +124,13 @@ def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return 100.0 * correct / len(y)
 
 
+def _optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
+    """The guarded steps' optimizer: ``--optimizer`` at ``--lr``."""
+    if args.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=1e-3 if args.lr is None else args.lr)
+    return torch.optim.SGD(model.parameters(), lr=0.01 if args.lr is None else args.lr)
+
+
 def trained(args: argparse.Namespace) -> None:
     """Each model trained ``args.train_steps`` Adam steps, then ``args.steps`` guarded SGD steps with the defaults."""
     import statistics
@@ -146,24 +161,25 @@ def trained(args: argparse.Namespace) -> None:
         before = _accuracy(model, x_all[test], y_all[test])
         batches = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(2))].split(args.batch)
         batches = batches[:args.steps]
-        sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+        timing = _optimizer(args, model)  # its own state: the guarded steps' optimizer starts fresh, as the control's
         plain = []
         for idx in batches[:3]:  # the unguarded step on the same batches (the update itself undone)
             state = {k: v.clone() for k, v in model.state_dict().items()}
             start = time.perf_counter()
-            sgd.zero_grad()
+            timing.zero_grad()
             nn.functional.cross_entropy(model(x_all[idx]), y_all[idx]).backward()
-            sgd.step()
+            timing.step()
             plain.append(time.perf_counter() - start)
             model.load_state_dict(state)
         control = copy.deepcopy(model)  # the same steps unguarded: what the guarded steps' accuracy is held against
-        control_sgd = torch.optim.SGD(control.parameters(), lr=0.01)
+        control_opt = _optimizer(args, control)
         for idx in batches:
-            control_sgd.zero_grad()
+            control_opt.zero_grad()
             nn.functional.cross_entropy(control(x_all[idx]), y_all[idx]).backward()
-            control_sgd.step()
+            control_opt.step()
         model, optimizer, criterion = flguard.make_guarded(
-            model, sgd, nn.CrossEntropyLoss(), flguard.GuardConfig(pixel_mean=data.mean, pixel_std=data.std))
+            model, _optimizer(args, model), nn.CrossEntropyLoss(),
+            flguard.GuardConfig(pixel_mean=data.mean, pixel_std=data.std, **guard_settings(args.guard)))
         seconds, reasons = [], []
         for idx in batches:
             start = time.perf_counter()

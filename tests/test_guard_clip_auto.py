@@ -55,8 +55,10 @@ def test_a_move_over_the_limit_redoes_the_step_at_the_median_and_keeps_it_there(
     """The retention attempt's noise would move the parameters by far more than CLIP_MAX_MOVE: the step is sent at
     the lower median (what is sent minus the dense clipped upload at the median is the reported noise), the reply
     says why, and the next CLIP_MEDIAN_STEPS steps take the median without trying the retention level. (A step of
-    size 1e6 would undo any training: the rule that withholds such a step, ``WITHHOLD_LOSS_SHARE``, is off here.)"""
-    monkeypatch.setattr(clipping, "WITHHOLD_LOSS_SHARE", float("inf"))
+    size 1e6 would undo any training: the rules on its effect, which withhold such a step, are off here.)"""
+    from flguard.guard import engine
+
+    monkeypatch.setattr(engine, "step_effect", lambda op, step_size: None)  # the step's effect is not measured
     model, x, y, per, median, _, _ = problem
     guard = Guard(_config())
     g = per.sum(0) / 8

@@ -153,8 +153,9 @@ class GuardConfig(StrictModel):
         "clipped map); max_rel_noise is then relative to C. 'median': C = the median of the batch's per-sample "
         "gradient norms, each step (flguard.guard.clipping.clip_level); 'quantile': their clip_quantile quantile; "
         "'retention': the smallest from the median up that keeps clip_retention of the gradient's length along it; "
-        "'auto': 'retention' while the noise sent keeps the parameters' moves small (needs the step size), else "
-        "the median (flguard.guard.clipping.AdaptiveClip); None: no clipping, the budget relative to ‖gradient‖; "
+        "'auto': 'retention' while the noise sent keeps the parameters' moves small and does not undo the steps' "
+        "progress (needs the step size), else the median, or a fraction of it where the median's noise does harm "
+        "(flguard.guard.clipping.AdaptiveClip); None: no clipping, the budget relative to ‖gradient‖; "
         "auto, gaussian, eigen: 'auto' by default")
     clip_quantile: float = Field(0.5, gt=0.0, le=1.0, description="with clip_per_sample='quantile': C = this "
                                  "quantile of the batch's per-sample gradient norms (the lower one: a sample's "
@@ -286,8 +287,9 @@ class ThresholdGuardConfig(GuardConfig):
         "the clipped map); max_rel_noise is then relative to C. 'median': C = the median of the batch's "
         "per-sample gradient norms, each step; 'quantile': their clip_quantile quantile; 'retention': the smallest of "
         "them from the median up whose clipped sum keeps clip_retention of the gradient's length along it; 'auto' "
-        "(default): 'retention' while the noise sent keeps the parameters' moves small (needs the step size), else "
-        "the median; "
+        "(default): 'retention' while the noise sent keeps the parameters' moves small and does not undo the "
+        "steps' progress (needs the step size), else the median, or a fraction of it where the median's noise does "
+        "harm; "
         "None (or 'none'): no clipping, the budget relative to ‖gradient‖")
     max_rel_noise: float = Field(DEFAULT_MAX_REL_NOISE, gt=0.0, description="noise budget: ‖noise‖ / C with "
                                  "clip_per_sample (or / ‖gradient‖ without) at most this")

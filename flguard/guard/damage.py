@@ -8,7 +8,7 @@ For the SGD step of size η that applies the update u (the clipped gradient, wit
 Three forward passes, no product (they also give L_B(θ), the batch loss before the step). ``clip_per_sample="auto"``
 (``flguard.guard.clipping.AdaptiveClip``) keeps its raised clip level only while the noise sent there does not undo,
 on average over the recent steps, the progress the steps make, and withholds a step whose noise would, on those
-averages, both undo it and add over half the batch loss: the noise's move m = η‖δ‖/‖θ‖ says how far it takes the
+averages, both undo it and add over a quarter of the batch loss: the noise's move m = η‖δ‖/‖θ‖ says how far it takes the
 weights, not what that costs the model. Aimed noise lies in the span of the samples' Jacobian rows, the directions
 along which the loss is most sensitive to the inputs: measured on a trained ViT, resolvent noise at the raised level
 moving the weights by 0.6–4.6% a step (within the move limit) added 2–11× the steps' progress to the loss and took

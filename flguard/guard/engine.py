@@ -122,10 +122,13 @@ class Guard:
         CLIP_MAX_MOVE, and where the noise sent would still move the parameters too far, or undo the steps' progress
         (``effect``: its progress and damage on the batch loss, CLIP_MAX_DAMAGE), it redoes the step at the median
         (its products count against the same step limit); at either level, noise that would undo training
-        (``AdaptiveClip.ruinous``, WITHHOLD_LOSS_SHARE) leaves the step unmet: withheld by the policy."""
+        (``AdaptiveClip.ruinous``, WITHHOLD_LOSS_SHARE) leaves the step unmet: withheld by the policy. Where the
+        median's noise does harm, the next steps take a fraction of the median (``AdaptiveClip.adjust``)."""
         cfg = self.config
         setting = self._adaptive_clip.setting(move_scale) if cfg.clip_per_sample == "auto" else cfg.clip_per_sample
-        clipped = _clipped(op, flat, clip_level(setting, op, cfg.clip_quantile, cfg.clip_retention))
+        level = clip_level(setting, op, cfg.clip_quantile, cfg.clip_retention)
+        lowered = cfg.clip_per_sample == "auto" and setting == "median" and self._adaptive_clip.factor < 1
+        clipped = _clipped(op, flat, level * self._adaptive_clip.factor if lowered else level)
         self._clip = clipped.clip
         if cfg.clip_per_sample != "auto":
             outcome = self._perturber.perturb(clipped, clipped.gradient, self._clip, generator, move_scale=move_scale)
@@ -134,7 +137,7 @@ class Guard:
         # at the level "auto" raised, auto sends the Gaussian only within the stricter limit, else its aimed noise
         outcome = self._perturber.perturb(clipped, clipped.gradient, self._clip, generator, move_scale=move_scale,
                                           max_move=CLIP_MAX_MOVE if setting == "retention" else AUTO_MAX_MOVE)
-        details = {"clip_rule": setting}
+        details = {"clip_rule": setting, **({"clip_factor": self._adaptive_clip.factor} if lowered else {})}
         if move_scale is not None and outcome.met:
             move = move_scale * float(outcome.noise.norm())
             measured = _measured_effect(effect, clipped, outcome, details)
@@ -157,15 +160,24 @@ class Guard:
                                                   move_scale=move_scale)
                 move = move_scale * float(outcome.noise.norm())
                 measured = _measured_effect(effect, clipped, outcome, details) if outcome.met else None
-            if outcome.met and measured is not None and self._adaptive_clip.ruinous(measured):
+            at_median = details["clip_rule"] == "median" or not raised  # (the retention level may be the median)
+            ruined = outcome.met and measured is not None and self._adaptive_clip.ruinous(measured, at_median)
+            if ruined:
                 outcome.met = False  # the engine's policy: withheld (drop), with the reason
                 outcome.reason = (f"the floor needs noise that would undo training: it would add {measured[1]:.3g} to "
                                   f"the batch loss of {measured[2]:.3g}, against the {measured[0]:.3g} the step "
-                                  "removes (over the recent steps, more than the steps' progress and more than "
-                                  f"{clipping.WITHHOLD_LOSS_SHARE:.0%} of the loss; a larger batch or a weaker floor "
-                                  "needs less noise)")
+                                  "removes (" + (f"at C = {self._clip:.4g}, more than the steps' progress over "
+                                                 "the recent steps" if at_median else
+                                                 "over the recent steps or alone, more than the steps' progress and "
+                                                 f"more than {clipping.WITHHOLD_LOSS_SHARE:.0%} of the loss")
+                                  + "; a larger batch or a weaker floor needs less noise)")
             elif outcome.met:
                 self._adaptive_clip.record(move, measured)
+            if at_median and measured is not None and (ruined or outcome.met):
+                why = self._adaptive_clip.adjust(measured, withheld=ruined)  # the next steps' factor of the median
+                if why:
+                    details["clip_reasons"] = "; ".join(filter(None, (details.get("clip_reasons"), why)))
+                    outcome.reason += f"; for the next steps {why}" if ruined else ""
         return clipped, outcome, details
 
     # -- fail closed ------------------------------------------------------------------------

@@ -171,7 +171,7 @@ def test_noise_that_would_undo_training_withholds_the_step(problem, monkeypatch)
     assert loss == pytest.approx(_loss_after(model, x, y, torch.zeros_like(g), 0.3), rel=1e-9)
     assert out.gradient is None and not out.report.met
     assert (f"the floor needs noise that would undo training: it would add {damage:.3g} to the batch loss of "
-            f"{loss:.3g}, against the {progress:.3g} the step removes (at C = {details['clip']:.4g}, more than the "
+            f"{loss:.3g}, against the {progress:.3g} the step removes (at C = {details['clip']:.4g}: more than the "
             "steps' progress over the recent steps") in out.report.reason
     assert "for the next steps C lowered to 0.5× the median" in out.report.reason
     assert "(update dropped)" in out.report.reason

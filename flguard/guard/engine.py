@@ -166,10 +166,12 @@ class Guard:
                 outcome.met = False  # the engine's policy: withheld (drop), with the reason
                 outcome.reason = (f"the floor needs noise that would undo training: it would add {measured[1]:.3g} to "
                                   f"the batch loss of {measured[2]:.3g}, against the {measured[0]:.3g} the step "
-                                  "removes (" + (f"at C = {self._clip:.4g}, more than the steps' progress over "
-                                                 "the recent steps" if at_median else
-                                                 "over the recent steps or alone, more than the steps' progress and "
-                                                 f"more than {clipping.WITHHOLD_LOSS_SHARE:.0%} of the loss")
+                                  "removes (" + (f"at C = {self._clip:.4g}: more than the steps' progress over "
+                                                 "the recent steps, or on this step alone more than its progress "
+                                                 f"and {clipping.WITHHOLD_LOSS_SHARE:.0%} of the loss" if at_median
+                                                 else "over the recent steps or on this step alone, more than the "
+                                                 "steps' progress and more than "
+                                                 f"{clipping.WITHHOLD_LOSS_SHARE:.0%} of the loss")
                                   + "; a larger batch or a weaker floor needs less noise)")
             elif outcome.met:
                 self._adaptive_clip.record(move, measured)

@@ -8,9 +8,10 @@
 With ``--train-steps N`` each model is first trained as a practitioner would (Adam, lr 1e-3, batches of 32 from the
 first 4,500 crops, its drop layers active), then given ``--steps`` guarded SGD steps (lr 0.01; ``--optimizer adam``:
 Adam at lr 1e-3, a fresh state; ``--lr`` either's) through ``make_guarded`` with the defaults (``--guard FIELD=VALUE``
-changes them), the layers ``check_model`` lists put in eval mode; printed per model: held-out accuracy (the last
-500 crops) after training, after the guarded steps and after the same steps unguarded, the steps sent, seconds per
-guarded step against the unguarded step's, products per sample and the withheld steps' reasons.
+changes them), the layers ``check_model`` lists put in eval mode; printed per model: held-out accuracy (the last 500
+crops) after training, after the guarded steps and after the same steps unguarded, the steps sent, seconds per guarded
+step against the unguarded step's, products per sample and the withheld steps' reasons (``--log``: each step's clip
+level, progress and damage too).
 
 Each model is built untrained for 10 classes (ConvNeXt with two stages of 16 and 32 channels, stochastic depth 0.1;
 the ViT with 8×8 patches, two layers of width 32; torchvision's own configurations otherwise, so that one CPU step takes
@@ -67,6 +68,8 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
                         help="the guarded (and unguarded control) steps' optimizer, trained mode")
     parser.add_argument("--lr", type=float, default=None, help="its learning rate (default: sgd 0.01, adam 1e-3)")
+    parser.add_argument("--log", action="store_true",
+                        help="trained mode: each guarded step's clip level, P, D, L; held-out accuracy every ten")
     parser.add_argument("--steps", type=int, default=10, help="guarded steps of a trained model")
     args = parser.parse_args()
     if args.train_steps > 0:
@@ -122,6 +125,20 @@ def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     model.train(mode)
     _listed_to_eval(model)
     return 100.0 * correct / len(y)
+
+
+def _log_step(number: int, report, model: nn.Module | None, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``--log``: one guarded step's clip level (and its factor of the median), noise kind, C, noise ÷ upload, and
+    the step's progress P, its noise's damage D and the batch loss L (``flguard.guard.damage``), or why it was
+    withheld; with ``model``, its held-out accuracy after the step."""
+    d = report.details
+    effect = " ".join(f"{key}={d[name]:.3g}" for key, name in (("P", "step_progress"), ("D", "noise_damage"),
+                                                                 ("L", "batch_loss")) if name in d)
+    state = (f"sent {d.get('clip_rule', '')} ×{d.get('clip_factor', 1):g} {d.get('defense_used', report.defense)} "
+             f"C={d.get('clip', float('nan')):.3g} noise/upload={report.rel_noise:.3g}" if report.met else
+             f"withheld: {' '.join(report.reason.split())[:120]}")
+    accuracy = "" if model is None else f"  held-out {_accuracy(model, x, y):.1f}%"
+    print(f"  step {number}: {state} {effect}{accuracy}", flush=True)
 
 
 def _optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
@@ -181,7 +198,7 @@ def trained(args: argparse.Namespace) -> None:
             model, _optimizer(args, model), nn.CrossEntropyLoss(),
             flguard.GuardConfig(pixel_mean=data.mean, pixel_std=data.std, **guard_settings(args.guard)))
         seconds, reasons = [], []
-        for idx in batches:
+        for number, idx in enumerate(batches, 1):
             start = time.perf_counter()
             optimizer.zero_grad()
             criterion(model(x_all[idx]), y_all[idx]).backward()
@@ -190,6 +207,9 @@ def trained(args: argparse.Namespace) -> None:
             except Exception as error:  # the guard's refusals and failures: the reason is the finding
                 reasons.append(f"{type(error).__name__}: {' '.join(str(error).split())[:160]}")
             seconds.append(time.perf_counter() - start)
+            if args.log:
+                _log_step(number, optimizer.guard_reports[-1], model if number % 10 == 0 else None, x_all[test],
+                          y_all[test])
         reports = optimizer.guard_reports
         sent = sum(r.met for r in reports)
         step, unguarded = statistics.median(seconds), statistics.median(plain)

@@ -128,11 +128,11 @@ WITHHOLD_LOSS_SHARE = 0.25
 #: kept CLIP_FACTOR_HOLD steps before the averages may lower it again (a withheld step lowers it at once). Measured on
 #: a trained ViT (lr 0.01, B = 32): at the median its Gaussian noise kept D̄ near P̄, the median C grew with the loss
 #: (4 → 12) and the noise with it, and 60 steps ended at 77.6–79.6% (96.4% unguarded); at C = 1, a quarter of its
-#: median, 95.0%; with this rule 94.6–95.0% (docs/results.md, "Damage that builds up slowly"). At the median or under it a
-#: step whose noise undoes the steps' progress on the averages is withheld: a trained MobileNetV3-small sent five such
-#: steps at a sixteenth of its median (D̄ = 3–5 P̄, under a quarter of the loss) and fell from 55% to 32%. Doubling the
-#: factor back where the damage fell under an eighth of the progress was tried: a few lucky draws took the ViT back
-#: to the raised level, whose noise took it from 92.6% to 88.6% in ten steps with D under P on each.
+#: median, 95.0%; with this rule 94.6–95.0% (docs/results.md, "Damage that builds up slowly"). At the median or under
+#: it a step whose noise undoes the steps' progress on the averages is withheld: a trained MobileNetV3-small sent five
+#: such steps at a sixteenth of its median (D̄ = 3–5 P̄, under a quarter of the loss) and fell from 55% to 32%.
+#: Doubling the factor back where the damage fell under an eighth of the progress was tried: a few lucky draws took
+#: the ViT back to the raised level, whose noise took it from 92.6% to 88.6% in ten steps with D under P on each.
 CLIP_LOWER_DAMAGE = 0.5
 CLIP_LOWEST_FACTOR = 1 / 16
 CLIP_FACTOR_HOLD = 4

@@ -138,6 +138,12 @@ CLIP_LOWEST_FACTOR = 1 / 16
 CLIP_FACTOR_HOLD = 4
 
 
+def _undoes(progress: float, damage: float, ratio: float = 1.0) -> bool:
+    """Whether the noise's damage exceeds ``ratio`` × the step's progress (none where the step makes none); a
+    non-finite damage does."""
+    return not damage <= ratio * max(progress, 0.0)
+
+
 class AdaptiveClip:
     """``clip_per_sample="auto"`` across steps: which level a step starts from (``setting``), and whether the
     noise that level needed moves the parameters too far (``too_far``), from the sent noises' recent moves
@@ -169,7 +175,7 @@ class AdaptiveClip:
             self._hold -= 1
             return ""
         progress, damage, _ = self._averaged_effect(effect) if withheld or self._effect is None else self._effect
-        if not (withheld or not damage <= CLIP_LOWER_DAMAGE * max(progress, 0.0)):
+        if not withheld and not _undoes(progress, damage, CLIP_LOWER_DAMAGE):
             return ""
         factor = max(self.factor / 2, CLIP_LOWEST_FACTOR)
         if factor == self.factor:
@@ -191,7 +197,7 @@ class AdaptiveClip:
         it, ``flguard.guard.damage``) would lift the recent damage over CLIP_MAX_DAMAGE × the recent progress
         (averages as ``record`` keeps them; nothing is recorded). A non-finite damage is harmful."""
         progress, damage, _ = self._averaged_effect(effect)
-        return not damage <= CLIP_MAX_DAMAGE * max(progress, 0.0)
+        return _undoes(progress, damage, CLIP_MAX_DAMAGE)
 
     def ruinous(self, effect: tuple[float, float, float], at_median: bool = False) -> bool:
         """Whether a step sent with this ``effect`` would, on the recent averages or alone, both undo the steps'
@@ -200,8 +206,8 @@ class AdaptiveClip:
         fraction of it, where undoing the progress on the averages is enough (``adjust`` then lowers C, which lowers
         the damage for the progress kept). A non-finite damage is ruinous."""
         progress, damage, _ = averaged = self._averaged_effect(effect)
-        return (at_median and not damage <= max(progress, 0.0)) or any(
-            not (damage <= max(progress, 0.0) or damage <= WITHHOLD_LOSS_SHARE * loss)
+        return (at_median and _undoes(progress, damage)) or any(
+            _undoes(progress, damage) and not damage <= WITHHOLD_LOSS_SHARE * loss
             for progress, damage, loss in (averaged, effect))
 
     def fall_back(self) -> None:

@@ -214,10 +214,11 @@ class AdaptiveClip:
         """The retention level moved too far or did harm: the next CLIP_MEDIAN_STEPS steps take the median."""
         self._median_steps = CLIP_MEDIAN_STEPS
 
-    def record(self, move: float, effect: tuple[float, float, float] | None = None) -> None:
-        """The move of the noise sent this step, and its ``effect`` where measured (zero noise, a withheld step: not
-        recorded)."""
-        self._square = self._averaged(move)
+    def record(self, move: float | None, effect: tuple[float, float, float] | None = None) -> None:
+        """The move of the noise sent this step, and its ``effect``, each where measured (zero noise, a withheld step:
+        not recorded; no move without a step size)."""
+        if move is not None:
+            self._square = self._averaged(move)
         if effect is not None:
             self._effect = self._averaged_effect(effect)
 

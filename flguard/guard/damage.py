@@ -1,11 +1,13 @@
 """What the noise sent does to the step that applies it: the batch loss it adds, beside the loss the step removes.
 
-For the SGD step of size η that applies the update u (the clipped gradient, without left-out samples) and the noise
-δ, on the step's own batch:
+For the step s(·) that applies the update u (the clipped gradient, without left-out samples) and the noise δ, on
+the step's own batch:
 
-    progress P = L_B(θ) − L_B(θ − ηu),        damage D = L_B(θ − η(u + δ)) − L_B(θ − ηu).
+    progress P = L_B(θ) − L_B(θ + s(u)),        damage D = L_B(θ + s(u + δ)) − L_B(θ + s(u)),
 
-Three forward passes, no product (they also give L_B(θ), the batch loss before the step). ``clip_per_sample="auto"``
+with s(g) = −ηg for an SGD step of size η, or the change the user's optimizer would make with g from its present
+state (``flguard.guard.trial_step``: Adam's step, normalised per coordinate, is not a multiple of g). Three forward
+passes, no product (they also give L_B(θ), the batch loss before the step). ``clip_per_sample="auto"``
 (``flguard.guard.clipping.AdaptiveClip``) keeps its raised clip level only while the noise sent there does not undo,
 on average over the recent steps, the progress the steps make, and withholds a step whose noise would, on those
 averages, both undo it and add over a quarter of the batch loss: the noise's move m = η‖δ‖/‖θ‖ says how far it takes the
@@ -28,19 +30,26 @@ from flguard.risk.clipped import Jacobian, base_operator
 
 #: (update [dθ], noise [dθ]) → (P, D, L_B(θ)) (module doc); +inf damage where a loss is not finite
 StepEffect = Callable[[torch.Tensor, torch.Tensor], tuple[float, float, float]]
+#: a flat gradient [dθ] → the change [dθ] the optimizer's next step would make to the parameters with it, s(g)
+#: (module doc), its state untouched
+Displacement = Callable[[torch.Tensor], torch.Tensor]
 
 
-def step_effect(op: Jacobian, step_size: float) -> StepEffect:
-    """(P, D, L_B(θ)) on ``op``'s whole batch and parameters for SGD steps of size ``step_size`` (module doc). L_B(θ)
-    is taken once: a step redone at another clip level has the same θ and batch."""
+def step_effect(op: Jacobian, step: float | Displacement) -> StepEffect:
+    """(P, D, L_B(θ)) on ``op``'s whole batch and parameters for the steps ``step``: an SGD step size η, s(g) = −ηg,
+    or the ``Displacement`` s (module doc). L_B(θ) is taken once: a step redone at another clip level has the same θ
+    and batch."""
     base = base_operator(op)
     values = [base.params[name] for name in base.names]
     sizes = [value.numel() for value in values]
     taken: list[float] = []  # L_B(θ), once
 
     def loss_at(flat: torch.Tensor | None) -> float:
-        moved = values if flat is None else [value - step_size * piece.view_as(value).to(value)
-                                             for value, piece in zip(values, flat.split(sizes))]
+        if flat is not None and callable(step):
+            flat = step(flat).to(flat.device)
+        moved = values if flat is None else [
+            value + piece.view_as(value).to(value) if callable(step) else value - step * piece.view_as(value).to(value)
+            for value, piece in zip(values, flat.split(sizes))]
         with torch.no_grad():
             loss = float(base.loss_fn(base._forward(dict(zip(base.names, moved)), base.x), base.y))
         return loss if abs(loss) < float("inf") else float("inf")  # NaN too

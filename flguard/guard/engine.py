@@ -25,7 +25,7 @@ from flguard.defenses.gaussian import isotropic
 from flguard.guard import clipping
 from flguard.guard.clipping import CLIP_MAX_MOVE, AdaptiveClip, clip_level, lower_quantile
 from flguard.guard.config import THRESHOLD_DEFENSES, GuardConfig
-from flguard.guard.damage import StepEffect, step_effect
+from flguard.guard.damage import Displacement, StepEffect, step_effect
 from flguard.guard.failure import GuardFailure, dead_network_reason, failure_reason
 from flguard.guard.floor import Outcome, noise_budget
 from flguard.guard.model_check import require_supported
@@ -57,22 +57,26 @@ class Guard:
         return self._generators[device]
 
     def protect(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, gradient: torch.Tensor,
-                loss_fn: LossFn | None = None, step_size: float | None = None) -> GuardOutput:
+                loss_fn: LossFn | None = None, step_size: float | None = None,
+                step_rule: Displacement | None = None) -> GuardOutput:
         """The gradient to upload for the batch ``(x, y)`` — perturbed to the floor, or None — and its
         report (module doc). ``gradient``: the flat gradient of the trainable parameters; ``loss_fn``: the
         loss it is the gradient of (mean cross-entropy by default). ``step_size``: the learning rate of a
         plain SGD step that will apply the update (``make_guarded`` passes it for ``torch.optim.SGD``):
         ``auto`` then sends the Gaussian only while its noise moves the parameters by at most
         ``flguard.guard.perturb.AUTO_MAX_MOVE`` of their norm per step, in root mean square over the
-        recent steps. It changes which certified noise is sent, never the certificate. The step's freed
+        recent steps. ``step_rule``: the change another optimizer's next step would make with a gradient
+        (``flguard.guard.trial_step``; ``make_guarded`` passes it for Adam and the others): ``clip_per_sample="auto"``
+        then judges what its noise does to that step (``flguard.guard.damage``), from the median level, as it does
+        SGD's. Either changes which certified noise is sent, or that none is, never the certificate. The step's freed
         memory goes back to the OS afterwards (``flguard.risk.sizing.release_freed_memory``)."""
         try:
-            return self._protect(model, x, y, gradient, loss_fn, step_size)
+            return self._protect(model, x, y, gradient, loss_fn, step_size, step_rule)
         finally:
             release_freed_memory()
 
     def _protect(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, gradient: torch.Tensor,
-                 loss_fn: LossFn | None, step_size: float | None) -> GuardOutput:
+                 loss_fn: LossFn | None, step_size: float | None, step_rule: Displacement | None) -> GuardOutput:
         start = time.perf_counter()
         cfg = self.config
         batch = int(x.shape[0])
@@ -90,8 +94,8 @@ class Guard:
                     outcome = self._perturber.perturb(op, flat, None, self._generator(x.device), move_scale=move_scale)
                 else:  # the attacker then inverts the clipped upload
                     # clip_per_sample="auto" also judges what its noise does to the step (flguard.guard.damage)
-                    effect = (step_effect(op, step_size) if move_scale is not None and cfg.clip_per_sample == "auto"
-                              else None)
+                    judged = step_rule if step_rule is not None else step_size if move_scale is not None else None
+                    effect = step_effect(op, judged) if judged is not None and cfg.clip_per_sample == "auto" else None
                     op, outcome, clip_details = self._clipped_step(op, flat, move_scale, self._generator(x.device),
                                                                    effect)
                     clip_share = float((op.sample_norms <= op.clip).double().mean())
@@ -138,8 +142,8 @@ class Guard:
         outcome = self._perturber.perturb(clipped, clipped.gradient, self._clip, generator, move_scale=move_scale,
                                           max_move=CLIP_MAX_MOVE if setting == "retention" else AUTO_MAX_MOVE)
         details = {"clip_rule": setting, **({"clip_factor": self._adaptive_clip.factor} if lowered else {})}
-        if move_scale is not None and outcome.met:
-            move = move_scale * float(outcome.noise.norm())
+        if (move_scale is not None or effect is not None) and outcome.met:
+            move = _move(move_scale, outcome)
             measured = _measured_effect(effect, clipped, outcome, details)
             median = lower_quantile(clipped.sample_norms, 0.5)  # clip_level's median, from the norms at hand
             raised = setting == "retention" and self._clip > median  # a lower level to fall back on
@@ -158,7 +162,7 @@ class Guard:
                 self._clip, details["clip_rule"] = clipped.clip, "median"
                 outcome = self._perturber.perturb(clipped, clipped.gradient, self._clip, generator,
                                                   move_scale=move_scale)
-                move = move_scale * float(outcome.noise.norm())
+                move = _move(move_scale, outcome)
                 measured = _measured_effect(effect, clipped, outcome, details) if outcome.met else None
             at_median = details["clip_rule"] == "median" or not raised  # (the retention level may be the median)
             ruined = outcome.met and measured is not None and self._adaptive_clip.ruinous(measured, at_median)
@@ -226,6 +230,11 @@ def _measured_effect(effect: StepEffect | None, clipped: ClippedJacobian, outcom
     measured = effect(update, outcome.noise)
     details["step_progress"], details["noise_damage"], details["batch_loss"] = measured
     return measured
+
+
+def _move(move_scale: float | None, outcome: Outcome) -> float | None:
+    """The share of the parameters' norm the noise sent moves them by (None without a step size)."""
+    return None if move_scale is None else move_scale * float(outcome.noise.norm())
 
 
 def _move_scale(model: nn.Module, step_size: float | None) -> float | None:

@@ -41,6 +41,7 @@ from flguard.guard.config import GuardConfig
 from flguard.guard.model_check import STRUCTURAL, UnsupportedModel, require_supported
 from flguard.guard.report import GuardReport
 from flguard.guard.session import active_session
+from flguard.guard.trial_step import momentum_gain, trial_displacement
 from flguard.risk.precision import gradient_rtol
 
 #: ‖.grad − ∇θ criterion(model(x), y)‖ ≤ this × ‖∇θ …‖ (+ a tiny absolute slack) counts as "the same
@@ -140,19 +141,6 @@ class GuardedCriterion(nn.Module):
             return getattr(inner, name)
 
 
-def momentum_gain(momentum: float, dampening: float = 0.0, nesterov: bool = False) -> float:
-    """The stationary root mean square of ``torch.optim.SGD``'s step (÷ lr) when its gradients are
-    independent noise of unit root mean square: with v ← μv + (1 − d)·g the step is v, RMS
-    (1 − d)/√(1 − μ²) (2.3× at μ = 0.9); with Nesterov (d = 0) it is g + μv = (1 + μ)g + μ²v₋, RMS
-    √((1 + μ)² + μ⁴/(1 − μ²)) (2.7× at μ = 0.9). 1 without momentum. ``tests/test_make_guarded.py`` checks
-    both against torch's optimizer."""
-    if momentum == 0.0:
-        return 1.0
-    if nesterov:
-        return ((1.0 + momentum) ** 2 + momentum ** 4 / (1.0 - momentum ** 2)) ** 0.5
-    return (1.0 - dampening) / (1.0 - momentum ** 2) ** 0.5
-
-
 class GuardedOptimizer(torch.optim.Optimizer):
     """The user's optimizer whose ``step()`` applies only the guarded gradient of the recorded batch.
 
@@ -243,7 +231,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
                               "sent")
         self._recorder.paused = True
         try:
-            out = guard.protect(self._model, x, y, reference, loss_fn=self._criterion, step_size=self._sgd_step_size())
+            step_size = self._sgd_step_size()
+            # other optimizers: their own next step, measured on a copy (``auto`` judges the noise's damage to it)
+            step_rule = (trial_displacement(self.original_optimizer, params)
+                         if step_size is None and guard.config.clip_per_sample == "auto" else None)
+            out = guard.protect(self._model, x, y, reference, loss_fn=self._criterion, step_size=step_size,
+                                step_rule=step_rule)
         finally:
             self._recorder.paused = False
         self.guard_reports.append(out.report)
@@ -261,7 +254,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         the parameters): the largest over the groups of lr × the root mean square of one step's response to
         independent unit noise, ``momentum_gain``. None for other optimizers, whose step is not lr × the
         gradient (Adam's is normalised per coordinate)."""
-        groups = self.param_groups
+        groups = self.param_groups  # (the others' steps are measured: ``flguard.guard.trial_step``)
         if not isinstance(self.original_optimizer, torch.optim.SGD) or any(
                 float(group.get("momentum", 0.0)) >= 1.0 for group in groups):
             return None  # (momentum ≥ 1 has no stationary root mean square: no move to judge)

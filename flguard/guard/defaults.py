@@ -43,7 +43,8 @@ DEFAULT_MAX_PRODUCTS = 400.0
 #: from-scratch federated runs, its noise moving the weights by 7.5–24% a step in root mean square; ``"auto"`` kept
 #: those moves under 5% and nine such runs did not collapse (60.1% on average, the median's six 63.8%; docs/results.md,
 #: "A clip level for both regimes").
-#: Without a step size (Adam, a loop that does not pass it) it is the median.
+#: Without a step size it is the median: for Adam and the other optimizers ``make_guarded`` measures their own step
+#: (``flguard.guard.trial_step``) and the median, and fractions of it, are judged by the noise's damage to it.
 DEFAULT_CLIP = "auto"
 DEFAULT_CLIP_RETENTION = 0.25
 #: ``auto``'s aimed noise where the Gaussian is not sent (``flguard.guard.perturb.auto_order``): resolvent noise,

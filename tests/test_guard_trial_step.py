@@ -148,3 +148,36 @@ def test_make_guarded_judges_adams_step(problem):
     stepped = _loss_moved(start, x, y, adam(upload))
     assert details["batch_loss"] - stepped == pytest.approx(details["step_progress"], rel=1e-3, abs=1e-7)
     assert _loss_moved(start, x, y, adam(sent)) - stepped == pytest.approx(details["noise_damage"], rel=1e-3, abs=1e-7)
+
+
+def test_the_functional_path_passes_the_step_rule(problem):
+    """``guard_step(step_rule=…)`` under a session: the report judges that step (P and D of Adam's closed-form first
+    step with the upload at the reported C), from the median."""
+    from flguard.flower.guard_mod import guard_step
+    from flguard.guard.session import open_session
+
+    model, x, y, per = problem
+    lr, eps = 1e-4, 1e-8
+    params = list(model.parameters())
+    rule = trial_displacement(torch.optim.Adam(params, lr=lr, eps=eps), params)
+    g = per.mean(0)
+    with open_session(Guard(GuardConfig(min_rmse=0.05, seed=6, max_excluded=0.0))) as session:
+        sent = guard_step(model, x, y, list(g.split([p.numel() for p in params])), step_rule=rule)
+    details = session.reports[-1].details
+    assert details["clip_rule"] == "median"
+    upload = (per * torch.clamp(details["clip"] / per.norm(dim=1), max=1.0)[:, None]).mean(0)
+    adam = lambda gradient: -adam_gain(0.9, 1) * lr * gradient / (gradient.abs() + eps)  # noqa: E731
+    stepped = _loss_moved(model, x, y, adam(upload))
+    noisy = torch.cat([piece.reshape(-1) for piece in sent])
+    assert _loss_moved(model, x, y, adam(noisy)) - stepped == pytest.approx(details["noise_damage"], rel=1e-3, abs=1e-7)
+
+
+class _Uncopyable(torch.optim.SGD):
+    def __deepcopy__(self, memo):
+        raise TypeError("holds something that cannot be copied")
+
+
+def test_an_optimizer_that_cannot_be_copied_is_not_judged(problem):
+    model, *_ = problem
+    params = list(model.parameters())
+    assert trial_displacement(_Uncopyable(params, lr=0.1), params) is None

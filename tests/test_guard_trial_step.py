@@ -45,10 +45,14 @@ def _loss_moved(model: nn.Module, x: torch.Tensor, y: torch.Tensor, change: torc
         return float(nn.functional.cross_entropy(moved(x), y))
 
 
-@pytest.mark.parametrize("kind, settings", OPTIMIZERS, ids=lambda value: getattr(value, "__name__", str(value)))
+@pytest.mark.parametrize("kind, settings", OPTIMIZERS + [(torch.optim.Adam, {"lr": 1e-2, "channels_last": True})],
+                         ids=lambda value: getattr(value, "__name__", str(value)))
 def test_the_trial_is_the_step_the_optimizer_takes_and_leaves_it_untouched(problem, kind, settings):
     model, x, y, _ = problem
-    model = copy.deepcopy(model)
+    model, settings = copy.deepcopy(model), dict(settings)
+    if settings.pop("channels_last", False):  # convolution weights (and their gradients) stored channels-last
+        model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+        assert not next(p for p in model.parameters() if p.dim() == 4).is_contiguous()
     params = list(model.parameters())
     optimizer = kind(params, **settings)
     for half in (x[:4], x[4:]):  # a state of two steps

@@ -13,9 +13,10 @@ crops) after training, after the guarded steps and after the same steps unguarde
 step against the unguarded step's, products per sample and the withheld steps' reasons (``--log``: each step's clip
 level, progress and damage too).
 
-Each model is built untrained for 10 classes (ConvNeXt with two stages of 16 and 32 channels, stochastic depth 0.1;
-the ViT with 8×8 patches, two layers of width 32; torchvision's own configurations otherwise, so that one CPU step takes
-seconds), fixed (BatchNorm → GroupNorm), the layers ``check_model`` still lists put in eval mode (what its message
+Each model is built untrained for 10 classes (``quickstart_cnn``: the CNN of Flower's PyTorch template, ``flwr new
+--framework pytorch``, whose ``train`` steps a fresh Adam at lr 0.01 each round: ``--optimizer adam --lr 0.01``;
+ConvNeXt with two stages of 16 and 32 channels, stochastic depth 0.1; the ViT with 8×8 patches, two layers of width 32;
+torchvision's own configurations otherwise, so that one CPU step takes seconds), fixed (BatchNorm → GroupNorm), the layers ``check_model`` still lists put in eval mode (what its message
 tells the user to do), and given one step of a ``photos32`` batch (offline colour crops). Printed: the problems
 ``check_model`` lists by kind before and after ``fix_model``, and the step's outcome — sent, or withheld with its
 reason. An untrained model on a few samples may well need more noise than the budget: the point is that every
@@ -40,7 +41,10 @@ def _builders() -> dict:
     from torchvision.models.convnext import CNBlockConfig, ConvNeXt
     from torchvision.models.vision_transformer import VisionTransformer
 
+    from flguard.models import create
+
     return {
+        "quickstart_cnn": lambda: create("cnn", in_channels=3, num_classes=10, image_size=32),  # Flower's template's
         "resnet18": lambda: tvm.resnet18(num_classes=10),
         "squeezenet1_1": lambda: tvm.squeezenet1_1(num_classes=10),
         "shufflenet_v2_x0_5": lambda: tvm.shufflenet_v2_x0_5(num_classes=10),

@@ -16,8 +16,8 @@ level, progress and damage too).
 Each model is built untrained for 10 classes (``quickstart_cnn``: the CNN of Flower's PyTorch template, ``flwr new
 --framework pytorch``, whose ``train`` steps a fresh Adam at lr 0.01 each round: ``--optimizer adam --lr 0.01``;
 ConvNeXt with two stages of 16 and 32 channels, stochastic depth 0.1; the ViT with 8×8 patches, two layers of width 32;
-torchvision's own configurations otherwise, so that one CPU step takes seconds), fixed (BatchNorm → GroupNorm), the layers ``check_model`` still lists put in eval mode (what its message
-tells the user to do), and given one step of a ``photos32`` batch (offline colour crops). Printed: the problems
+torchvision's own configurations otherwise, so that one CPU step takes seconds), fixed (BatchNorm → GroupNorm), the
+layers ``check_model`` still lists put in eval mode (what its message tells the user to do), and given one step of a ``photos32`` batch (offline colour crops). Printed: the problems
 ``check_model`` lists by kind before and after ``fix_model``, and the step's outcome — sent, or withheld with its
 reason. An untrained model on a few samples may well need more noise than the budget: the point is that every
 model runs to an answer the guard can stand behind, not that each sends (docs/results.md, "Models beyond ResNets").

@@ -11,9 +11,10 @@ user's optimizer and model untouched.
 What is judged is this step's gradient's own share of the step, over the life of the optimizer's momentum: the trial
 step with g less the trial step with a zero gradient (the momentum of earlier steps, their noise included, is not
 this step's progress), times the root mean square of the momentum's later response to it relative to its first
-(``lifetime_gain``) — as ``make_guarded`` judges momentum SGD at lr × ``momentum_gain``. Measured on a trained
-MobileNetV3-small with Adam, the whole trial step made no progress on later steps (P < 0: the earlier steps' noise in
-Adam's first moment) while this step's noise added a tenth of its lifetime's damage (docs/results.md).
+(``lifetime_gain``) — as ``make_guarded`` judges momentum SGD at lr × ``momentum_gain``. On a trained
+MobileNetV3-small with Adam the whole trial step showed P < 0 from the second guarded step on (the earlier steps'
+noise in Adam's first moment), and at β1 = 0.9 a gradient enters its own step with a tenth of the weight it has over
+the first moment's life (docs/results.md, "Adam's own step, measured on a copy").
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ What is judged is this step's gradient's own share of the step, over the life of
 step with g less the trial step with a zero gradient (the momentum of earlier steps, their noise included, is not
 this step's progress), times the root mean square of the momentum's later response to it relative to its first
 (``lifetime_gain``) — as ``make_guarded`` judges momentum SGD at lr × ``momentum_gain``. On a trained
-MobileNetV3-small with Adam the whole trial step showed P < 0 from the second guarded step on (the earlier steps'
+MobileNetV3-small with Adam the whole trial step showed P < 0 from the fourth guarded step on (the earlier steps'
 noise in Adam's first moment), and at β1 = 0.9 a gradient enters its own step with a tenth of the weight it has over
 the first moment's life (docs/results.md, "Adam's own step, measured on a copy").
 """

@@ -55,8 +55,8 @@ def test_the_trial_is_the_step_the_optimizer_takes_and_leaves_it_untouched(probl
         assert not next(p for p in model.parameters() if p.dim() == 4).is_contiguous()
     params = list(model.parameters())
     optimizer = kind(params, **settings)
-    for half in (x[:4], x[4:]):  # a state of two steps
-        _flat_grad(model, half, y[:4])
+    for half in (slice(0, 4), slice(4, 8)):  # a state of two steps
+        _flat_grad(model, x[half], y[half])
         optimizer.step()
     g = _flat_grad(model, x, y)
     kept = copy.deepcopy(optimizer.state_dict())

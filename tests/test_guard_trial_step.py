@@ -45,6 +45,16 @@ def _loss_moved(model: nn.Module, x: torch.Tensor, y: torch.Tensor, change: torc
         return float(nn.functional.cross_entropy(moved(x), y))
 
 
+def _fresh_adam(lr: float, eps: float):
+    """A fresh Adam's step in closed form, −lr·g/(|g| + eps), at the gain the trial judges it with (t = 1)."""
+    return lambda gradient: -adam_gain(0.9, 1) * lr * gradient / (gradient.abs() + eps)
+
+
+def _clipped_upload(per: torch.Tensor, clip: float) -> torch.Tensor:
+    """The dense clipped upload Σ_i min(1, C/‖g_i‖)·g_i / B from the per-sample gradients ``per``."""
+    return (per * torch.clamp(clip / per.norm(dim=1), max=1.0)[:, None]).mean(0)
+
+
 @pytest.mark.parametrize("kind, settings", OPTIMIZERS + [(torch.optim.Adam, {"lr": 1e-2, "channels_last": True})],
                          ids=lambda value: getattr(value, "__name__", str(value)))
 def test_the_trial_is_the_step_the_optimizer_takes_and_leaves_it_untouched(problem, kind, settings):
@@ -119,8 +129,7 @@ def test_adams_first_step_in_closed_form_and_its_effect(problem):
     trial = trial_displacement(torch.optim.Adam(params, lr=lr, eps=eps), params)
     g = per.mean(0)
     noise = 0.3 * torch.randn(g.shape, generator=torch.Generator().manual_seed(4))
-    gain = adam_gain(0.9, 1)
-    adam = lambda gradient: -gain * lr * gradient / (gradient.abs() + eps)  # noqa: E731
+    adam = _fresh_adam(lr, eps)
     torch.testing.assert_close(trial(g), adam(g), rtol=1e-6, atol=1e-10)
     progress, damage, loss = step_effect(JacobianOperator(model, x, y), trial)(g, noise)
     stepped = _loss_moved(model, x, y, adam(g))
@@ -146,9 +155,7 @@ def test_make_guarded_judges_adams_step(problem):
     details = optimizer.guard_reports[-1].details
     assert optimizer.guard_reports[-1].met and details["clip_rule"] == "median"
     sent = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    clip = details["clip"]
-    upload = (per * torch.clamp(clip / per.norm(dim=1), max=1.0)[:, None]).mean(0)
-    adam = lambda gradient: -adam_gain(0.9, 1) * lr * gradient / (gradient.abs() + eps)  # noqa: E731
+    upload, adam = _clipped_upload(per, details["clip"]), _fresh_adam(lr, eps)
     stepped = _loss_moved(start, x, y, adam(upload))
     assert details["batch_loss"] - stepped == pytest.approx(details["step_progress"], rel=1e-3, abs=1e-7)
     assert _loss_moved(start, x, y, adam(sent)) - stepped == pytest.approx(details["noise_damage"], rel=1e-3, abs=1e-7)
@@ -169,8 +176,7 @@ def test_the_functional_path_passes_the_step_rule(problem):
         sent = guard_step(model, x, y, list(g.split([p.numel() for p in params])), step_rule=rule)
     details = session.reports[-1].details
     assert details["clip_rule"] == "median"
-    upload = (per * torch.clamp(details["clip"] / per.norm(dim=1), max=1.0)[:, None]).mean(0)
-    adam = lambda gradient: -adam_gain(0.9, 1) * lr * gradient / (gradient.abs() + eps)  # noqa: E731
+    upload, adam = _clipped_upload(per, details["clip"]), _fresh_adam(lr, eps)
     stepped = _loss_moved(model, x, y, adam(upload))
     noisy = torch.cat([piece.reshape(-1) for piece in sent])
     assert _loss_moved(model, x, y, adam(noisy)) - stepped == pytest.approx(details["noise_damage"], rel=1e-3, abs=1e-7)

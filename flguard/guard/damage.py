@@ -43,13 +43,11 @@ def step_effect(op: Jacobian, step: float | Displacement) -> StepEffect:
     values = [base.params[name] for name in base.names]
     sizes = [value.numel() for value in values]
     taken: list[float] = []  # L_B(θ), once
+    displacement = step if callable(step) else (lambda flat: -step * flat)  # (−(ηg): θ + s(g) is θ − ηg exactly)
 
     def loss_at(flat: torch.Tensor | None) -> float:
-        if flat is not None and callable(step):
-            flat = step(flat).to(flat.device)
-        moved = values if flat is None else [
-            value + piece.view_as(value).to(value) if callable(step) else value - step * piece.view_as(value).to(value)
-            for value, piece in zip(values, flat.split(sizes))]
+        moved = values if flat is None else [value + piece.view_as(value).to(value) for value, piece
+                                             in zip(values, displacement(flat).to(flat.device).split(sizes))]
         with torch.no_grad():
             loss = float(base.loss_fn(base._forward(dict(zip(base.names, moved)), base.x), base.y))
         return loss if abs(loss) < float("inf") else float("inf")  # NaN too

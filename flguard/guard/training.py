@@ -253,8 +253,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         """``Guard.protect``'s ``step_size`` for a ``torch.optim.SGD`` (``auto`` judges how far its noise moves
         the parameters): the largest over the groups of lr × the root mean square of one step's response to
         independent unit noise, ``momentum_gain``. None for other optimizers, whose step is not lr × the
-        gradient (Adam's is normalised per coordinate)."""
-        groups = self.param_groups  # (the others' steps are measured: ``flguard.guard.trial_step``)
+        gradient (Adam's is normalised per coordinate: ``flguard.guard.trial_step`` measures those steps)."""
+        groups = self.param_groups
         if not isinstance(self.original_optimizer, torch.optim.SGD) or any(
                 float(group.get("momentum", 0.0)) >= 1.0 for group in groups):
             return None  # (momentum ≥ 1 has no stationary root mean square: no move to judge)

@@ -76,3 +76,33 @@ def test_gradient_checks_allow_tf32_only_on_cuda_float32():
     if torch.cuda.is_available():
         assert gradient_rtol(torch.zeros(3, device="cuda"), 1e-4) == TF32_GRADIENT_RTOL
         assert gradient_rtol(torch.zeros(3, device="cuda", dtype=torch.float64), 1e-4) == 1e-4
+
+
+def test_exact_float32_switches_autocast_off_inside_and_back_on_outside():
+    """A mixed-precision loop may call the guard inside ``torch.autocast``: a convolution and a matrix product inside
+    ``exact_float32`` run in float32 and match float64 to float32's rounding; outside, bfloat16 errs near 1e-3."""
+    from flguard.risk.precision import autocast_as, autocast_state
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 8, 10, 10), torch.randn(8, 8, 3, 3) / 8
+    exact = torch.nn.functional.conv2d(x.double(), w.double(), padding=1)
+
+    def conv_error() -> tuple[torch.dtype, float]:
+        out = torch.nn.functional.conv2d(x, w, padding=1)
+        return out.dtype, float((out.double() - exact).norm() / exact.norm())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half_dtype, half_error = conv_error()
+        with exact_float32("cpu"):
+            inside_dtype, inside_error = conv_error()
+            assert autocast_state() == ()
+        assert autocast_state() == (("cpu", torch.bfloat16),)  # restored
+        with autocast_as(()), autocast_as((("cpu", torch.float16),)):
+            assert autocast_state() == (("cpu", torch.float16),)
+    assert autocast_state() == ()
+    assert half_dtype == torch.bfloat16 and half_error > 1e-3, half_error
+    assert inside_dtype == torch.float32 and inside_error < 1e-6, inside_error
+
+
+def test_gradient_checks_allow_half_precision_after_autocast():
+    from flguard.risk.precision import AUTOCAST_GRADIENT_RTOL, gradient_rtol
+    assert gradient_rtol(torch.zeros(3), 1e-4, (("cpu", torch.bfloat16),)) == AUTOCAST_GRADIENT_RTOL
+    assert gradient_rtol(torch.zeros(3), 1e-4, ()) == 1e-4

@@ -33,7 +33,7 @@ from flguard.guard.perturb import AUTO_MAX_MOVE, Perturber
 from flguard.guard.report import GuardOutput, GuardReport
 from flguard.risk.clipped import ClippedJacobian, Jacobian
 from flguard.risk.operator import JacobianOperator, LossFn, ProductLimit
-from flguard.risk.precision import exact_float32, gradient_rtol
+from flguard.risk.precision import autocast_as, exact_float32, gradient_rtol
 from flguard.risk.sizing import release_freed_memory
 
 __all__ = ["Guard", "GuardFailure", "clip_level"]
@@ -69,9 +69,11 @@ class Guard:
         (``flguard.guard.trial_step``; ``make_guarded`` passes it for Adam and the others): ``clip_per_sample="auto"``
         then judges what its noise does to that step (``flguard.guard.damage``), from the median level, as it does
         SGD's. Either changes which certified noise is sent, or that none is, never the certificate. The step's freed
-        memory goes back to the OS afterwards (``flguard.risk.sizing.release_freed_memory``)."""
+        memory goes back to the OS afterwards (``flguard.risk.sizing.release_freed_memory``). Called inside a
+        ``torch.autocast`` block, every pass of the guard still runs in float32 (autocast is off inside)."""
         try:
-            return self._protect(model, x, y, gradient, loss_fn, step_size, step_rule)
+            with autocast_as(()):
+                return self._protect(model, x, y, gradient, loss_fn, step_size, step_rule)
         finally:
             release_freed_memory()
 
@@ -278,5 +280,6 @@ def _clipped(op: JacobianOperator, flat: torch.Tensor, clip: float) -> ClippedJa
         raise GuardFailure(f"clip_per_sample: the gradient given is not the batch loss's gradient at (model, x, y): "
                            f"‖difference‖ {gap:.3g} against the {allowed:.3g} that rounding explains (‖g‖ = "
                            f"{float(flat.norm()):.3g}; a gradient of something else, or one too ill-conditioned for "
-                           "float32 — an untrained model whose gradients explode)")
+                           "float32 — an untrained model whose gradients explode; under torch.autocast, pass the "
+                           "float32 gradient: the guard measures and sends float32)")
     return clipped

@@ -11,13 +11,19 @@ How: the model is returned as the same object with two hooks that record the inp
 each forward pass run with gradients on; the criterion is wrapped so that it records the targets
 and the loss it returned. ``optimizer.step()`` then
 
-1. checks that exactly one forward pass and one criterion call happened since the last step and
-   that the criterion saw that forward's output (else: two passes, accumulation or a loss the
-   wrapper cannot see — each a clear ``GuardMisuse``);
-2. recomputes the gradient of ``criterion(model(x), y)`` and requires the parameters' ``.grad`` to
-   equal it: a loss with extra terms, or gradients accumulated over several batches (a missing
-   ``zero_grad``), differ and are refused — the guard must measure the very loss that was sent;
-3. runs ``Guard.protect`` on that gradient; a withheld update raises ``GuardFailure`` with the
+1. takes the last forward pass since the last step and the last criterion call, which must have
+   seen that forward's output (else: no pass, no criterion call, or a loss the wrapper cannot see —
+   each a clear ``GuardMisuse``);
+2. recomputes the gradient of ``criterion(model(x), y)`` — under the same ``torch.autocast`` as the
+   recorded pass — and requires the parameters' ``.grad`` to equal it: a loss with extra terms,
+   gradients accumulated over several batches (a missing ``zero_grad``, or several passes before
+   one step), a gradient rescaled after ``backward`` (``clip_grad_norm_``, a ``GradScaler`` not
+   updated) differ and are refused, each named — the guard must measure the very loss that was
+   sent. Earlier passes whose gradients were discarded (a ``GradScaler`` that skipped a step on
+   infinite gradients, then ``zero_grad``) are fine: .grad holds only the last one's;
+3. runs ``Guard.protect`` on that gradient in float32 (a mixed-precision loop's forward pass is
+   recomputed without autocast: the guard measures and sends float32, and the optimizer applies
+   the guarded float32 gradient); a withheld update raises ``GuardFailure`` with the
    reason, clears ``.grad`` and leaves the parameters untouched — an unguarded step is never
    applied;
 4. writes the guarded gradient into ``.grad`` and lets the wrapped optimizer (SGD with or without
@@ -42,12 +48,15 @@ from flguard.guard.model_check import STRUCTURAL, UnsupportedModel, require_supp
 from flguard.guard.report import GuardReport
 from flguard.guard.session import active_session
 from flguard.guard.trial_step import momentum_gain, trial_displacement
-from flguard.risk.precision import gradient_rtol
+from flguard.risk.precision import AutocastState, autocast_as, autocast_state, gradient_rtol
 
 #: ‖.grad − ∇θ criterion(model(x), y)‖ ≤ this × ‖∇θ …‖ (+ a tiny absolute slack) counts as "the same
 #: loss": the recomputation runs the same operations on the same data, so only float reordering differs
 #: (for a float32 gradient on a CUDA device, TF32 and cuDNN's choice of algorithm: ``gradient_rtol``).
 GRADIENT_MATCH_RTOL = 1e-4
+#: .grad = s × ∇θ … to this relative residual, s ≠ 1 by more than it: a gradient rescaled after ``backward`` (a
+#: global norm clipping, or a GradScaler's scale left in), which the refusal then names.
+RESCALED_RTOL = 1e-3
 
 
 class GuardMisuse(GuardFailure):
@@ -55,7 +64,9 @@ class GuardMisuse(GuardFailure):
 
 
 class _Recorder:
-    """What the guarded loop did since the last optimizer step: forward passes and criterion calls."""
+    """What the guarded loop did since the last optimizer step: its last forward pass (with the autocast it ran
+    under) and last criterion call, and how many passes there were — only the last of each is kept, so passes
+    that are never stepped (an evaluation with gradients on) hold no memory."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -63,57 +74,49 @@ class _Recorder:
         self.clear()
 
     def clear(self) -> None:
-        self.inputs: list[Any] = []
-        self.outputs: list[torch.Tensor] = []
-        self.targets: list[Any] = []
-        self.losses: list[torch.Tensor] = []
-        self.loss_inputs: list[torch.Tensor] = []
+        self.passes = 0
+        self.input: tuple[tuple, dict] | None = None
+        self.autocast: AutocastState = ()
+        self.output: Any = None
+        self.call: tuple[Any, Any, torch.Tensor] | None = None  # the criterion's prediction, target and loss
 
     def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.paused or not torch.is_grad_enabled():
             return
-        self.inputs.append((args, kwargs))
+        self.passes += 1
+        self.input, self.autocast, self.output = (args, kwargs), autocast_state(), None
 
     def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self.paused or not torch.is_grad_enabled():
             return
-        self.outputs.append(output)
+        self.output = output
 
     def criterion_called(self, prediction: Any, target: Any, loss: torch.Tensor) -> None:
         if self.paused or not torch.is_grad_enabled():
             return
-        self.loss_inputs.append(prediction)
-        self.targets.append(target)
-        self.losses.append(loss)
+        self.call = (prediction, target, loss)
 
-    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The one (x, y) of this step, or ``GuardMisuse`` saying why there is none."""
-        if not self.inputs:
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor, AutocastState]:
+        """The (x, y) of this step's last forward pass and criterion call, with the autocast the pass ran under,
+        or ``GuardMisuse`` saying why there is none. Earlier passes are the gradient check's concern (module doc)."""
+        if self.input is None:
             raise GuardMisuse("optimizer.step() without a forward pass of the guarded model since the last step "
                               "(with gradients enabled): the guard has no batch to measure")
-        if len(self.inputs) > 1:
-            raise GuardMisuse(f"{len(self.inputs)} forward passes of the guarded model before one optimizer.step(): "
-                              "gradient accumulation over several batches (or an extra forward pass with gradients "
-                              "on) is not supported — step once per batch, and evaluate under torch.no_grad()")
-        if not self.losses:
+        if self.call is None:
             raise GuardMisuse("optimizer.step() without a call of the guarded criterion: the guard cannot see the "
                               "loss you backpropagated — compute the loss with the criterion make_guarded returned")
-        if len(self.losses) > 1:
-            raise GuardMisuse(f"{len(self.losses)} criterion calls before one optimizer.step(): the guard cannot tell "
-                              "which loss was backpropagated — call the guarded criterion once per step")
-        (args, kwargs), output = self.inputs[0], self.outputs[0] if self.outputs else None
+        (args, kwargs), (prediction, target, loss) = self.input, self.call
         if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
             raise GuardMisuse("the guarded model must be called with one input tensor, model(x)")
-        if self.loss_inputs[0] is not output:
+        if prediction is not self.output or self.output is None:
             raise GuardMisuse("the guarded criterion was not called on the guarded model's output: the guard cannot "
                               "see the loss you backpropagated — use loss = criterion(model(x), y)")
-        target = self.targets[0]
         if not isinstance(target, torch.Tensor):
             raise GuardMisuse("the criterion's target must be a tensor")
-        if self.losses[0].ndim != 0:
+        if loss.ndim != 0:
             raise GuardMisuse("the guarded criterion must return a scalar (reduction='mean' or 'sum'): with "
                               "reduction='none' the guard cannot see the loss you backpropagate")
-        return args[0].detach(), target.detach()
+        return args[0].detach(), target.detach(), self.autocast
 
 
 class GuardedCriterion(nn.Module):
@@ -217,18 +220,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def _guarded_gradient(self, params: list[nn.Parameter]) -> torch.Tensor:
         guard = self._active_guard()
-        x, y = self._recorder.batch()
+        x, y, autocast = self._recorder.batch()
         _refuse_unsupported(self._model)
-        reference = self._recompute(params, x, y)
+        as_recorded = self._recompute(params, x, y, autocast)
         sent = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        gap, scale = float((sent - reference).norm()), float(reference.norm())
-        if not gap <= gradient_rtol(reference, GRADIENT_MATCH_RTOL) * scale + 1e-12 * max(reference.numel(), 1) ** 0.5:
-            raise GuardMisuse(f".grad differs from the gradient of criterion(model(x), y) on the recorded batch "
-                              f"(‖difference‖ = {gap:.3g}, ‖gradient‖ = {scale:.3g}): a loss with terms the guard "
-                              "cannot see, gradients accumulated over several batches (a missing "
-                              "optimizer.zero_grad()), or randomness in the forward pass that flguard.check_model "
-                              "cannot list (a functional dropout); the guard must measure the exact loss that is "
-                              "sent")
+        _require_same_gradient(sent, as_recorded, autocast, self._recorder.passes)
+        # the guard measures and sends float32: a mixed-precision pass is recomputed without autocast
+        reference = as_recorded if not autocast else self._recompute(params, x, y, ())
         self._recorder.paused = True
         try:
             step_size = self._sgd_step_size()
@@ -271,12 +269,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
                               "but no guarded Flower train message is being handled; pass a GuardConfig")
         return session.guard
 
-    def _recompute(self, params: list[nn.Parameter], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """∇θ criterion(model(x), y), leaving buffers (BatchNorm running statistics) as they were."""
+    def _recompute(self, params: list[nn.Parameter], x: torch.Tensor, y: torch.Tensor,
+                   autocast: AutocastState) -> torch.Tensor:
+        """∇θ criterion(model(x), y) with ``autocast`` as given (``()``: float32), leaving buffers (BatchNorm running
+        statistics) as they were."""
         buffers = {name: b.detach().clone() for name, b in self._model.named_buffers()}
         self._recorder.paused = True
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), autocast_as(autocast):
                 loss = self._criterion(self._model(x), y)
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
         finally:
@@ -286,6 +286,35 @@ class GuardedOptimizer(torch.optim.Optimizer):
                     b.copy_(buffers[name])
         return torch.cat([(g if g is not None else torch.zeros_like(p)).detach().reshape(-1)
                           for g, p in zip(grads, params)])
+
+
+def _require_same_gradient(sent: torch.Tensor, reference: torch.Tensor, autocast: AutocastState, passes: int) -> None:
+    """``GuardMisuse`` unless .grad (``sent``) is the recomputed gradient of the recorded batch, naming the likely
+    cause: several passes accumulated, a gradient rescaled after backward, or another loss."""
+    gap, scale = float((sent - reference).norm()), float(reference.norm())
+    slack = 1e-12 * max(reference.numel(), 1) ** 0.5
+    if gap <= gradient_rtol(reference, GRADIENT_MATCH_RTOL, autocast) * scale + slack:
+        return
+    found = f"‖difference‖ = {gap:.3g}, ‖gradient‖ = {scale:.3g}"
+    if passes > 1:
+        raise GuardMisuse(f"{passes} forward passes of the guarded model since the last optimizer.step(), and .grad is "
+                          f"not the last one's gradient ({found}): gradient accumulation over several batches (or an "
+                          "extra forward pass with gradients on) is not supported — step once per batch, and "
+                          "evaluate under torch.no_grad()")
+    factor = float(sent @ reference) / max(scale ** 2, 1e-300)
+    off_line = float((sent - factor * reference).norm())
+    if abs(factor - 1.0) > RESCALED_RTOL and off_line <= RESCALED_RTOL * abs(factor) * scale:
+        cause = ("a global norm clipping (torch.nn.utils.clip_grad_norm_): the guard clips each sample's gradient "
+                 "itself (GuardConfig.clip_per_sample) — remove it from the guarded loop" if factor < 1 else
+                 "a GradScaler's scale still in it: call scaler.update() after every scaler.step(optimizer), also "
+                 "when the step raised GuardFailure")
+        raise GuardMisuse(f".grad is {factor:.4g} × the gradient of criterion(model(x), y) on the recorded batch: "
+                          f"{cause}")
+    raise GuardMisuse(f".grad differs from the gradient of criterion(model(x), y) on the recorded batch ({found}): a "
+                      "loss with terms the guard cannot see, gradients accumulated over several batches (a missing "
+                      "optimizer.zero_grad()), a gradient changed after backward (clip_grad_value_), or randomness "
+                      "in the forward pass that flguard.check_model cannot list (a functional dropout); the guard "
+                      "must measure the exact loss that is sent")
 
 
 def _refuse_unsupported(model: nn.Module) -> None:

@@ -195,4 +195,13 @@ def functional_forward(model: nn.Module, tensors: Any, inputs: torch.Tensor) -> 
         return functional_call(model, tensors, (inputs,))
 
 
-__all__ = ["functional_forward"]
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module that ``torch.compile`` wrapped, or ``model`` itself where it is not a compiled one: the same
+    parameters and buffers, run by PyTorch's own operators. The guard differentiates the forward pass twice and in
+    forward mode inside ``torch.func``'s transforms, where a compiled graph fails (TorchDynamo's assertion on a
+    GroupNorm ResNet-8, PyTorch 2.14); the user's training keeps the compiled model."""
+    inner = model.__dict__.get("_modules", {}).get("_orig_mod")
+    return inner if inner is not None and type(model).__name__ == "OptimizedModule" else model
+
+
+__all__ = ["functional_forward", "uncompiled"]

@@ -41,7 +41,7 @@ from flguard.risk import sizing
 from flguard.risk.limits import ProductLimit, ProductLimitReached  # noqa: F401  (re-exported: the operator charges them)
 from flguard.risk.precision import on_exact_float32
 from flguard.risk.direct import DirectProducts
-from flguard.risk.functional import functional_forward
+from flguard.risk.functional import functional_forward, uncompiled
 from flguard.risk.sample_autograd import SampleAutograd
 from flguard.risk.transposed_input_grads import InputOnly, transposed_input_grads
 
@@ -117,6 +117,7 @@ class JacobianOperator(DirectProducts):
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,
                  *, coupled: bool | None = None, chunk_size: int | None = None,
                  limit: ProductLimit | None = None, products: Literal["auto", "cached", "direct"] = "auto") -> None:
+        model = uncompiled(model)  # a torch.compile'd model: its own module, the same parameters
         check_deterministic(model)
         self.model = model
         self.loss_fn = loss_fn or default_loss

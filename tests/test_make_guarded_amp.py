@@ -1,0 +1,130 @@
+"""make_guarded in the loops practitioners write for a ResNet: mixed precision (``torch.autocast``, ``GradScaler``,
+a step it skips), a compiled model, and a gradient rescaled after backward — on the 3-channel GroupNorm ResNet-8 in
+channels-last memory.
+
+The reference for every guarded step is the same seeded step in a plain float32 loop: the guard measures and sends
+float32, so the parameters after it must be the same whatever precision the user's forward pass ran in.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from flguard import GuardConfig, make_guarded
+from flguard.guard.training import GuardMisuse
+from flguard.models.zoo import create
+
+LR = 0.05
+CONFIG = GuardConfig(seed=0)  # the defaults, seeded so that two loops draw the same noise
+
+
+def resnet() -> nn.Module:
+    torch.manual_seed(0)
+    return create("resnet8_gn", image_size=8).to(memory_format=torch.channels_last)
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(4, 3, 8, 8, generator=g).contiguous(memory_format=torch.channels_last)
+    return x, torch.randint(0, 10, (4,), generator=g)
+
+
+def flat(values) -> torch.Tensor:
+    return torch.cat([v.detach().reshape(-1) for v in values])
+
+
+def guarded(model: nn.Module):
+    return make_guarded(model, torch.optim.SGD(model.parameters(), lr=LR), nn.CrossEntropyLoss(), CONFIG)
+
+
+def float32_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The parameters after one seeded guarded step of a plain float32 loop on a copy of ``model``."""
+    model, optimizer, criterion = guarded(copy.deepcopy(model))
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()
+    assert optimizer.guard_reports[-1].met
+    return flat(model.parameters())
+
+
+@pytest.mark.parametrize("step_inside_autocast", [False, True])
+def test_a_bfloat16_forward_pass_is_guarded_in_float32(step_inside_autocast):
+    """The user's bfloat16 gradient differs from float32's by percents; the guard checks .grad against the same
+    autocast, then measures and sends the float32 gradient — the same step as the float32 loop's, bit for bit,
+    also when optimizer.step() is called inside the autocast block (the guard switches autocast off)."""
+    base = resnet()
+    x, y = batch()
+    expected = float32_step(base, x, y)
+    model, optimizer, criterion = guarded(copy.deepcopy(base))
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = criterion(model(x), y)
+        loss.backward()
+        users = flat(p.grad for p in model.parameters())
+        if step_inside_autocast:
+            optimizer.step()
+    if not step_inside_autocast:
+        optimizer.step()
+    exact = flat(torch.autograd.grad(nn.functional.cross_entropy(base(x), y), list(base.parameters())))
+    assert float((users - exact).norm() / exact.norm()) > 1e-3  # the user's gradient really is half precision
+    assert optimizer.guard_reports[-1].met
+    assert torch.equal(flat(model.parameters()), expected)
+
+
+def test_a_grad_scaler_loop_and_a_step_it_skips():
+    """``scaler.step`` unscales .grad through the guarded optimizer's param_groups, then steps it; a step the scaler
+    skips on an infinite gradient leaves its pass recorded, and the next step guards only its own batch."""
+    base = resnet()
+    (x1, y1), (x2, y2) = batch(1), batch(2)
+    expected = float32_step(base, x2, y2)
+    model, optimizer, criterion = guarded(copy.deepcopy(base))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    before = flat(model.parameters())
+    for step, (x, y) in enumerate([(x1, y1), (x2, y2)]):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = criterion(model(x), y)
+        scaler.scale(loss).backward()
+        if step == 0:  # an overflow in the scaled backward pass: the scaler skips this step
+            grad = next(model.parameters()).grad
+            grad[(0,) * grad.dim()] = float("inf")
+        scaler.step(optimizer)
+        scaler.update()
+        if step == 0:
+            assert torch.equal(flat(model.parameters()), before) and not optimizer.guard_reports
+    assert scaler.get_scale() == 2.0 ** 9  # backed off once
+    assert len(optimizer.guard_reports) == 1 and optimizer.guard_reports[0].met
+    assert torch.equal(flat(model.parameters()), expected)
+
+
+def test_a_compiled_model_is_guarded_like_the_model():
+    base = resnet()
+    x, y = batch()
+    expected = float32_step(base, x, y)
+    model, optimizer, criterion = guarded(torch.compile(copy.deepcopy(base), backend="eager"))
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()
+    assert optimizer.guard_reports[-1].met
+    assert torch.equal(flat(model.parameters()), expected)
+
+
+@pytest.mark.parametrize("rescale, named", [
+    (lambda params: nn.utils.clip_grad_norm_(params, 1e-3), "clip_grad_norm_"),
+    (lambda params: [p.grad.mul_(2.0 ** 16) for p in params], "scaler.update"),
+])
+def test_a_gradient_rescaled_after_backward_is_refused_and_named(rescale, named):
+    model, optimizer, criterion = guarded(resnet())
+    x, y = batch()
+    before = flat(model.parameters())
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    rescale(list(model.parameters()))
+    with pytest.raises(GuardMisuse, match=named):
+        optimizer.step()
+    assert torch.equal(flat(model.parameters()), before)
+    assert all(p.grad is None for p in model.parameters())

@@ -292,7 +292,7 @@ class ThresholdGuardConfig(GuardConfig):
         "harm; "
         "None (or 'none'): no clipping, the budget relative to ‖gradient‖")
     max_rel_noise: float = Field(DEFAULT_MAX_REL_NOISE, gt=0.0, description="noise budget: ‖noise‖ / C with "
-                                 "clip_per_sample (or / ‖gradient‖ without) at most this")
+                                 "clip_per_sample (/ B·C for a summed loss; / ‖gradient‖ without) at most this")
     rtol: float = Field(DEFAULT_RTOL, gt=0.0, lt=0.1, description="solver tolerance (the floor is aimed at "
                         "τ(1 + rtol) with each sample's solver error bound taken off)")
     input_bounds: tuple[float | tuple[float, ...], float | tuple[float, ...]] | Literal["batch"] | None = Field(

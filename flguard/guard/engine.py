@@ -83,7 +83,8 @@ class Guard:
         cfg = self.config
         batch = int(x.shape[0])
         op: Jacobian | None = None
-        self._clip: float | None = None  # this step's clipping norm C, once known (the budget's unit)
+        self._clip: float | None = None  # this step's clipping norm C, once known (the budget's unit, × _span)
+        self._span = 1.0  # the clipped update's largest norm per unit C (``flguard.guard.floor.update_span``)
         clip_share: float | None = None  # the share of the batch whose per-sample norm is at most C
         require_supported(model, "Guard.protect")  # a clear error before any measuring, not a failed step
         try:
@@ -135,7 +136,7 @@ class Guard:
         level = clip_level(setting, op, cfg.clip_quantile, cfg.clip_retention)
         lowered = cfg.clip_per_sample == "auto" and setting == "median" and self._adaptive_clip.factor < 1
         clipped = _clipped(op, flat, level * self._adaptive_clip.factor if lowered else level)
-        self._clip = clipped.clip
+        self._clip, self._span = clipped.clip, clipped.span
         if cfg.clip_per_sample != "auto":
             outcome = self._perturber.perturb(clipped, clipped.gradient, self._clip, generator, move_scale=move_scale)
             return clipped, outcome, {}
@@ -198,7 +199,8 @@ class Guard:
             report.seconds = time.perf_counter() - start
             return GuardOutput(original.clone(), report)
         if cfg.on_unmet == "max-noise":
-            noise = _budget_noise(flat, cfg, self._generator(flat.device), getattr(self, "_clip", None))
+            noise = _budget_noise(flat, cfg, self._generator(flat.device), getattr(self, "_clip", None),
+                                  getattr(self, "_span", 1.0))
             report.noise_norm, report.rel_noise = float(noise.norm()), cfg.max_rel_noise
             report.reason += " (sent with the full noise budget, isotropic; floor not verified)"
             report.seconds = time.perf_counter() - start
@@ -259,10 +261,10 @@ def _checked_gradient(gradient: torch.Tensor, model: nn.Module) -> torch.Tensor:
 
 
 def _budget_noise(flat: torch.Tensor, cfg: GuardConfig, generator: torch.Generator,
-                  clip: float | None) -> torch.Tensor:
-    """Isotropic noise of norm max_rel_noise·‖g‖ (or ·C) — the most the budget allows, no measurement needed."""
+                  clip: float | None, span: float) -> torch.Tensor:
+    """Isotropic noise of norm max_rel_noise·‖g‖ (or ·span·C) — the most the budget allows, no measurement needed."""
     z = isotropic(flat.shape, generator, flat).vector
-    return z * (noise_budget(flat, cfg, clip) / float(z.norm()))
+    return z * (noise_budget(flat, cfg, clip, span) / float(z.norm()))
 
 
 def _clipped(op: JacobianOperator, flat: torch.Tensor, clip: float) -> ClippedJacobian:

@@ -1,6 +1,6 @@
 """make_guarded in the loops practitioners write for a ResNet: mixed precision (``torch.autocast``, ``GradScaler``,
-a step it skips), a compiled model, and a gradient rescaled after backward — on the 3-channel GroupNorm ResNet-8 in
-channels-last memory.
+a step it skips), a compiled model, a summed or class-weighted loss, and a gradient rescaled after backward — on the
+3-channel GroupNorm ResNet-8 in channels-last memory.
 
 The reference for every guarded step is the same seeded step in a plain float32 loop: the guard measures and sends
 float32, so the parameters after it must be the same whatever precision the user's forward pass ran in.
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from flguard import GuardConfig, make_guarded
+from flguard import GuardConfig, GuardFailure, make_guarded
 from flguard.guard.training import GuardMisuse
 from flguard.models.zoo import create
 
@@ -37,8 +37,8 @@ def flat(values) -> torch.Tensor:
     return torch.cat([v.detach().reshape(-1) for v in values])
 
 
-def guarded(model: nn.Module):
-    return make_guarded(model, torch.optim.SGD(model.parameters(), lr=LR), nn.CrossEntropyLoss(), CONFIG)
+def guarded(model: nn.Module, criterion: nn.Module | None = None, lr: float = LR):
+    return make_guarded(model, torch.optim.SGD(model.parameters(), lr=lr), criterion or nn.CrossEntropyLoss(), CONFIG)
 
 
 def float32_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -128,3 +128,37 @@ def test_a_gradient_rescaled_after_backward_is_refused_and_named(rescale, named)
         optimizer.step()
     assert torch.equal(flat(model.parameters()), before)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_summed_loss_is_guarded_as_the_mean_it_scales():
+    """reduction='sum' is the mean times B: the same training at lr/B. The certificate is scale-free and the budget's
+    unit is the clipped update's largest norm (B·C for a sum, ``update_span``), so the step is the mean's — before,
+    the sum's budget stayed C and the same step needed B times the budget."""
+    base = resnet()
+    x, y = batch()
+    expected = float32_step(base, x, y)
+    model, optimizer, criterion = guarded(copy.deepcopy(base), nn.CrossEntropyLoss(reduction="sum"), LR / len(y))
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()
+    assert optimizer.guard_reports[-1].met
+    start = flat(base.parameters())
+    moved, reference = flat(model.parameters()) - start, expected - start
+    assert float((moved - reference).norm()) <= 1e-4 * float(reference.norm())
+
+
+def test_class_weights_are_guarded_with_a_summed_loss_and_a_weighted_mean_is_refused_by_name():
+    weights = torch.linspace(0.5, 2.0, 10)
+    x, y = batch()
+    model, optimizer, criterion = guarded(resnet(), nn.CrossEntropyLoss(weight=weights, reduction="sum"), LR / 4)
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()
+    assert optimizer.guard_reports[-1].met
+    model, optimizer, criterion = guarded(resnet(), nn.CrossEntropyLoss(weight=weights))
+    before = flat(model.parameters())
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    with pytest.raises(GuardFailure, match="reduction='sum' with the weights"):
+        optimizer.step()
+    assert torch.equal(flat(model.parameters()), before)

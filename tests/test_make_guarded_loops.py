@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from flguard import GuardConfig, GuardFailure, make_guarded
+from flguard import GuardConfig, make_guarded
 from flguard.guard.training import GuardMisuse
 from flguard.models.zoo import create
 
@@ -147,18 +147,22 @@ def test_a_summed_loss_is_guarded_as_the_mean_it_scales():
     assert float((moved - reference).norm()) <= 1e-4 * float(reference.norm())
 
 
-def test_class_weights_are_guarded_with_a_summed_loss_and_a_weighted_mean_is_refused_by_name():
+def test_a_class_weighted_mean_is_guarded_as_its_weighted_sum():
+    """CrossEntropyLoss(weight=w) divides by the batch's total weight W = Σ_j w_{y_j}: the guard splits it as
+    (1/W) Σ_i w_{y_i}·CE_i (``flguard.risk.loss_split``) and sends the weighted sum's step times 1/W — the same
+    parameters as the weighted sum stepped at lr/W, to float rounding (W is no power of two). Before, every step of
+    a weighted mean was refused."""
     weights = torch.linspace(0.5, 2.0, 10)
     x, y = batch()
-    model, optimizer, criterion = guarded(resnet(), nn.CrossEntropyLoss(weight=weights, reduction="sum"), LR / 4)
-    optimizer.zero_grad()
-    criterion(model(x), y).backward()
-    optimizer.step()
-    assert optimizer.guard_reports[-1].met
-    model, optimizer, criterion = guarded(resnet(), nn.CrossEntropyLoss(weight=weights))
-    before = flat(model.parameters())
-    optimizer.zero_grad()
-    criterion(model(x), y).backward()
-    with pytest.raises(GuardFailure, match="reduction='sum' with the weights"):
+    total = float(weights[y].sum())
+    base = resnet()
+    after = []
+    for reduction, lr in (("mean", LR), ("sum", LR / total)):
+        model, optimizer, criterion = guarded(copy.deepcopy(base), nn.CrossEntropyLoss(weight=weights,
+                                                                                      reduction=reduction), lr)
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
         optimizer.step()
-    assert torch.equal(flat(model.parameters()), before)
+        assert optimizer.guard_reports[-1].met
+        after.append(flat(model.parameters()) - flat(base.parameters()))
+    assert float((after[0] - after[1]).norm()) <= 1e-4 * float(after[1].norm())

@@ -49,7 +49,7 @@ def step_effect(op: Jacobian, step: float | Displacement) -> StepEffect:
         moved = values if flat is None else [value + piece.view_as(value).to(value) for value, piece
                                              in zip(values, displacement(flat).to(flat.device).split(sizes))]
         with torch.no_grad():
-            loss = float(base.loss_fn(base._forward(dict(zip(base.names, moved)), base.x), base.y))
+            loss = float(base.batch_loss_fn(base._forward(dict(zip(base.names, moved)), base.x), base.y))
         return loss if abs(loss) < float("inf") else float("inf")  # NaN too
 
     def effect(update: torch.Tensor, noise: torch.Tensor) -> tuple[float, float, float]:

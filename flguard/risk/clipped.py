@@ -41,13 +41,10 @@ class ClippedJacobian:
     def __init__(self, op: JacobianOperator, clip: float) -> None:
         if op.coupled:
             raise ValueError("per-sample clipping needs a per-sample-separable loss and no train-mode BatchNorm: "
-                             "the loss must be the mean or the sum of loss_fn on each sample alone (a "
-                             "CrossEntropyLoss(weight=…) with reduction='mean' divides by the batch's total weight: "
-                             "use reduction='sum' with the weights, or no weights)")
+                             "the loss must be a mean, a sum or a class-weighted mean of the samples' own losses "
+                             "(flguard.risk.loss_split)")
         self.op, self.clip = op, float(clip)
-        # the clipped update's largest norm per unit C, c·B: 1 for a mean loss (c = 1/B, exactly 1 here, not a
-        # rounded (1/B)·B), B for a sum (c = 1; the only two scales an operator has); kept by ``restricted``
-        self.span = float(op.batch_size) if op.scale == 1.0 else 1.0
+        self.span = op.span  # the clipped update's largest norm per unit C, c·B (``flguard.risk.loss_split``)
         per = op.per_sample_gradients()
         norms = per.norm(dim=1)
         clipped = norms > self.clip

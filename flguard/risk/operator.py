@@ -42,6 +42,7 @@ from flguard.risk.limits import ProductLimit, ProductLimitReached  # noqa: F401 
 from flguard.risk.precision import on_exact_float32
 from flguard.risk.direct import DirectProducts
 from flguard.risk.functional import functional_forward, uncompiled
+from flguard.risk.loss_split import split_loss
 from flguard.risk.sample_autograd import SampleAutograd
 from flguard.risk.transposed_input_grads import InputOnly, transposed_input_grads
 
@@ -88,20 +89,6 @@ def batchnorm_without_running_stats(model: nn.Module) -> Iterator[None]:
             m.track_running_stats = True
 
 
-def _separable_scale(loss_fn: LossFn, logits: torch.Tensor, labels: torch.Tensor) -> float | None:
-    """c such that loss_fn(batch) = c Σ_i loss_fn(sample i), or None if neither mean nor sum fits."""
-    batch_loss = loss_fn(logits, labels)
-    per_sample = vmap(lambda z, y: loss_fn(z.unsqueeze(0), y.unsqueeze(0)))(logits, labels)
-    total = per_sample.sum()
-    size = logits.shape[0]
-    tol = 1e-4 * float(total.abs()) + 1e-12
-    if abs(float(batch_loss) - float(total) / size) <= tol:
-        return 1.0 / size
-    if abs(float(batch_loss) - float(total)) <= tol:
-        return 1.0
-    return None
-
-
 class JacobianOperator(DirectProducts):
     """Matrix-free per-sample blocks J_i of the batch loss's mixed Jacobian (see module doc).
 
@@ -145,12 +132,15 @@ class JacobianOperator(DirectProducts):
         self._cached_transpose: Callable | None = None
         with torch.no_grad(), batchnorm_without_running_stats(model):
             logits = self._forward(self.params, self.x)
-        scale = None if has_batch_coupling(model) else _separable_scale(self.loss_fn, logits, self.y)
-        self.coupled = (scale is None) if coupled is None else coupled
-        if not self.coupled and scale is None:
+        split = None if has_batch_coupling(model) else split_loss(self.loss_fn, logits, self.y)
+        self.coupled = (split is None) if coupled is None else coupled
+        if not self.coupled and split is None:
             raise ValueError("coupled=False needs a per-sample-separable loss (mean or sum reduction) "
                              "and a model without train-mode BatchNorm")
-        self.scale = 1.0 if scale is None else scale
+        self.batch_loss_fn = self.loss_fn  # the loss of the whole batch, as given
+        if not self.coupled:  # the batch loss = c Σ_i ℓ(sample i): ℓ a weighted mean's summed form (loss_split)
+            self.loss_fn = split.per_sample
+        self.scale, self.span = (1.0, 1.0) if self.coupled else (split.scale, split.span)
         if products not in ("auto", "cached", "direct"):
             raise ValueError(f"products={products!r}: choose 'auto', 'cached' or 'direct'")
         self.direct = not self.coupled and (products == "direct" or (

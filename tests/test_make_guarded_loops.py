@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from flguard import GuardConfig, make_guarded
-from flguard.guard.training import GuardMisuse
+from flguard import GuardConfig, check_model, make_guarded
+from flguard.guard.training import GuardMisuse, UnsupportedModel
 from flguard.models.zoo import create
 
 LR = 0.05
@@ -166,3 +166,13 @@ def test_a_class_weighted_mean_is_guarded_as_its_weighted_sum():
         assert optimizer.guard_reports[-1].met
         after.append(flat(model.parameters()) - flat(base.parameters()))
     assert float((after[0] - after[1]).norm()) <= 1e-4 * float(after[1].norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_model_is_refused_up_front_naming_autocast(dtype):
+    """A model cast to half precision cannot carry the certificate (its products err near 1e-2–1e-3); before, its
+    steps failed one by one with unrelated reasons (the loss 'not separable', the gradient 'not the loss's')."""
+    model = resnet().to(dtype)
+    assert any("autocast" in problem for problem in check_model(model))
+    with pytest.raises(UnsupportedModel, match=f"{dtype}.*torch.autocast"):
+        guarded(model)

@@ -16,6 +16,10 @@ sample i alone only when the forward pass treats samples independently and deter
   passes.
 * **InstanceNorm with running statistics** is per-sample in its forward pass but updates its
   running buffers from the batch in train mode: the same unguarded side channel as BatchNorm's.
+* **half-precision parameters** (a model cast to bfloat16 or float16): the guard's solves are
+  verified to rtol 1e-2–1e-3 and its certificate rests on products in the float32 or float64 of the
+  parameters; half precision errs near 1e-2–1e-3 in each. Mixed precision keeps float32 weights and
+  runs the forward pass under ``torch.autocast``, which ``make_guarded`` guards as it stands.
 
 ``check_model`` lists these problems (each names the module's path, why, and the fix);
 ``make_guarded`` and ``Guard.protect`` refuse a model with any of them before measuring, with an
@@ -29,6 +33,7 @@ from __future__ import annotations
 import copy
 import math
 
+import torch
 from torch import nn
 
 
@@ -52,7 +57,10 @@ def _batchnorm_problem(name: str, module: nn.Module) -> str:
 
 #: Problems that a module's mode cannot change (refused as soon as a model is wrapped); the others
 #: (train-mode Dropout) depend on the mode and are refused at the step.
-STRUCTURAL = ("batchnorm", "instancenorm")
+STRUCTURAL = ("batchnorm", "instancenorm", "precision")
+
+#: The parameter dtypes the guard measures in.
+CERTIFIED_DTYPES = (torch.float32, torch.float64)
 
 
 def model_problems(model: nn.Module) -> list[tuple[str, str]]:
@@ -61,6 +69,12 @@ def model_problems(model: nn.Module) -> list[tuple[str, str]]:
     if not isinstance(model, nn.Module):
         raise TypeError("check_model: model must be a torch.nn.Module")
     problems = []
+    half = next(((name, p.dtype) for name, p in model.named_parameters()
+                 if p.requires_grad and p.is_floating_point() and p.dtype not in CERTIFIED_DTYPES), None)
+    if half is not None:
+        problems.append(("precision", f"<model>: trainable parameters in {half[1]} (the first: {half[0]}): the guard "
+                         "measures and certifies in float32 or float64; fix: keep the model in float32 and run the "
+                         "forward pass under torch.autocast (make_guarded guards such a loop as it stands)"))
     for name, module in model.named_modules():
         where = name or "<model>"
         if isinstance(module, nn.modules.batchnorm._BatchNorm):

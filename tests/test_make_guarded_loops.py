@@ -9,6 +9,7 @@ float32, so the parameters after it must be the same whatever precision the user
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -176,3 +177,13 @@ def test_a_half_precision_model_is_refused_up_front_naming_autocast(dtype):
     assert any("autocast" in problem for problem in check_model(model))
     with pytest.raises(UnsupportedModel, match=f"{dtype}.*torch.autocast"):
         guarded(model)
+
+
+def test_adam_above_its_measured_learning_rate_is_warned_about():
+    model = resnet()
+    with pytest.warns(UserWarning, match="AdamW at lr 0.01.*lr ≤ 1e-3 or SGD"):
+        make_guarded(model, torch.optim.AdamW(model.parameters(), lr=0.01), nn.CrossEntropyLoss(), CONFIG)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_guarded(model, torch.optim.Adam(model.parameters(), lr=1e-3), nn.CrossEntropyLoss(), CONFIG)
+        make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), CONFIG)

@@ -217,7 +217,8 @@ class Perturber:
                                f"{max_move:.0%})")
             else:
                 reasons.append(f"{kind}: {outcome.reason}")
-            if kind == first and (far or noise > AUTO_SKIP_FACTOR * noise_budget(flat, self.config, clip, update_span(op))):
+            budget = noise_budget(flat, self.config, clip, update_span(op))
+            if kind == first and (far or noise > AUTO_SKIP_FACTOR * budget):
                 self._skip_first = AUTO_SKIP_STEPS
         if fallback is not None:
             return _noted(fallback, reasons)

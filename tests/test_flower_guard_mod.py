@@ -248,8 +248,8 @@ def _loop_app(mode: str) -> ClientApp:
                 plain.step()
                 continue
             optimizer.zero_grad()
-            if mode == "two-passes":  # gradients accumulated over another batch, then this one's
-                criterion(model(data.normalize(data.images[10:12])), data.labels[10:12]).backward()
+            if mode == "two-passes":  # gradients accumulated over a batch of another size, then this one's
+                criterion(model(data.normalize(data.images[10:13])), data.labels[10:13]).backward()
             loss = criterion(model(x), y)
             loss.backward()
             if mode == "guard_step-once" and step == 0:

@@ -187,3 +187,39 @@ def test_adam_above_its_measured_learning_rate_is_warned_about():
         warnings.simplefilter("error")
         make_guarded(model, torch.optim.Adam(model.parameters(), lr=1e-3), nn.CrossEntropyLoss(), CONFIG)
         make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), CONFIG)
+
+
+def test_gradient_accumulation_over_micro_batches_is_guarded_as_one_batch():
+    """Two micro-batches of 4 accumulated in .grad (mean losses) are one batch of 8 with the summed loss, 2 × the
+    mean over all eight: the same step as a plain loop that steps once on the eight with that loss."""
+    base = resnet()
+    (x1, y1), (x2, y2) = batch(1), batch(2)
+    x, y = torch.cat([x1, x2]).contiguous(memory_format=torch.channels_last), torch.cat([y1, y2])
+    model, optimizer, criterion = guarded(copy.deepcopy(base), lambda z, t: 2 * nn.functional.cross_entropy(z, t))
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()
+    expected = flat(model.parameters())
+    model, optimizer, criterion = guarded(copy.deepcopy(base))
+    optimizer.zero_grad()
+    for xb, yb in ((x1, y1), (x2, y2)):
+        criterion(model(xb), yb).backward()
+    optimizer.step()
+    report = optimizer.guard_reports[-1]
+    assert report.met and report.rmse_after.shape == (8,)
+    start = flat(base.parameters())
+    moved, reference = flat(model.parameters()) - start, expected - start
+    assert float((moved - reference).norm()) <= 1e-5 * float(reference.norm())
+
+
+def test_accumulated_micro_batches_whose_losses_do_not_add_up_are_refused_by_name():
+    """Class-weighted means divide each micro-batch by its own total weight: no one loss over the eight samples."""
+    model, optimizer, criterion = guarded(resnet(), nn.CrossEntropyLoss(weight=torch.linspace(0.5, 2.0, 10)))
+    before = flat(model.parameters())
+    optimizer.zero_grad()
+    for seed in (1, 2):
+        xb, yb = batch(seed)
+        criterion(model(xb), yb).backward()
+    with pytest.raises(GuardMisuse, match="do not add up"):
+        optimizer.step()
+    assert torch.equal(flat(model.parameters()), before)

@@ -11,16 +11,17 @@ How: the model is returned as the same object with two hooks that record the inp
 each forward pass run with gradients on; the criterion is wrapped so that it records the targets
 and the loss it returned. ``optimizer.step()`` then
 
-1. takes the last forward pass since the last step and the last criterion call, which must have
-   seen that forward's output (else: no pass, no criterion call, or a loss the wrapper cannot see —
+1. takes the forward passes since the last step, each with the criterion call on its output
+   (``flguard.guard.recorder``; else: no pass, no criterion call, or a loss the wrapper cannot see —
    each a clear ``GuardMisuse``);
-2. recomputes the gradient of ``criterion(model(x), y)`` — under the same ``torch.autocast`` as the
-   recorded pass — and requires the parameters' ``.grad`` to equal it: a loss with extra terms,
-   gradients accumulated over several batches (a missing ``zero_grad``, or several passes before
-   one step), a gradient rescaled after ``backward`` (``clip_grad_norm_``, a ``GradScaler`` not
-   updated) differ and are refused, each named — the guard must measure the very loss that was
-   sent. Earlier passes whose gradients were discarded (a ``GradScaler`` that skipped a step on
-   infinite gradients, then ``zero_grad``) are fine: .grad holds only the last one's;
+2. recomputes the gradient of ``criterion(model(x), y)`` for the last pass — then the last two, … —
+   each under the ``torch.autocast`` it ran under, and requires the parameters' ``.grad`` to equal
+   one of these sums: the last pass alone (earlier passes whose gradients were thrown away, as by a
+   ``GradScaler`` that skipped a step, are fine), or several (gradient accumulation over
+   micro-batches of one size, guarded as one batch of all their samples with the summed loss). A
+   loss with extra terms, a missing ``zero_grad``, a gradient rescaled after ``backward``
+   (``clip_grad_norm_``, a ``GradScaler`` not updated) match none and are refused, each named — the
+   guard must measure the very loss that was sent;
 3. runs ``Guard.protect`` on that gradient in float32 (a mixed-precision loop's forward pass is
    recomputed without autocast: the guard measures and sends float32, and the optimizer applies
    the guarded float32 gradient); a withheld update raises ``GuardFailure`` with the
@@ -46,10 +47,11 @@ from torch import nn
 from flguard.guard import Guard, GuardFailure
 from flguard.guard.config import GuardConfig
 from flguard.guard.model_check import STRUCTURAL, UnsupportedModel, require_supported
+from flguard.guard.recorder import GuardMisuse, RecordedPass, Recorder
 from flguard.guard.report import GuardReport
 from flguard.guard.session import active_session
 from flguard.guard.trial_step import momentum_gain, trial_displacement
-from flguard.risk.precision import AutocastState, autocast_as, autocast_state, gradient_rtol
+from flguard.risk.precision import AutocastState, autocast_as, gradient_rtol
 
 #: ‖.grad − ∇θ criterion(model(x), y)‖ ≤ this × ‖∇θ …‖ (+ a tiny absolute slack) counts as "the same
 #: loss": the recomputation runs the same operations on the same data, so only float reordering differs
@@ -66,72 +68,12 @@ ADAPTIVE_LR_WARNING = 2e-3
 ADAPTIVE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax)
 
 
-class GuardMisuse(GuardFailure):
-    """The training loop does something the guard cannot cover; the message says what and how to fix it."""
-
-
-class _Recorder:
-    """What the guarded loop did since the last optimizer step: its last forward pass (with the autocast it ran
-    under) and last criterion call, and how many passes there were — only the last of each is kept, so passes
-    that are never stepped (an evaluation with gradients on) hold no memory."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.paused = False
-        self.clear()
-
-    def clear(self) -> None:
-        self.passes = 0
-        self.input: tuple[tuple, dict] | None = None
-        self.autocast: AutocastState = ()
-        self.output: Any = None
-        self.call: tuple[Any, Any, torch.Tensor] | None = None  # the criterion's prediction, target and loss
-
-    def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.paused or not torch.is_grad_enabled():
-            return
-        self.passes += 1
-        self.input, self.autocast, self.output = (args, kwargs), autocast_state(), None
-
-    def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self.paused or not torch.is_grad_enabled():
-            return
-        self.output = output
-
-    def criterion_called(self, prediction: Any, target: Any, loss: torch.Tensor) -> None:
-        if self.paused or not torch.is_grad_enabled():
-            return
-        self.call = (prediction, target, loss)
-
-    def batch(self) -> tuple[torch.Tensor, torch.Tensor, AutocastState]:
-        """The (x, y) of this step's last forward pass and criterion call, with the autocast the pass ran under,
-        or ``GuardMisuse`` saying why there is none. Earlier passes are the gradient check's concern (module doc)."""
-        if self.input is None:
-            raise GuardMisuse("optimizer.step() without a forward pass of the guarded model since the last step "
-                              "(with gradients enabled): the guard has no batch to measure")
-        if self.call is None:
-            raise GuardMisuse("optimizer.step() without a call of the guarded criterion: the guard cannot see the "
-                              "loss you backpropagated — compute the loss with the criterion make_guarded returned")
-        (args, kwargs), (prediction, target, loss) = self.input, self.call
-        if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
-            raise GuardMisuse("the guarded model must be called with one input tensor, model(x)")
-        if prediction is not self.output or self.output is None:
-            raise GuardMisuse("the guarded criterion was not called on the guarded model's output: the guard cannot "
-                              "see the loss you backpropagated — use loss = criterion(model(x), y)")
-        if not isinstance(target, torch.Tensor):
-            raise GuardMisuse("the criterion's target must be a tensor")
-        if loss.ndim != 0:
-            raise GuardMisuse("the guarded criterion must return a scalar (reduction='mean' or 'sum'): with "
-                              "reduction='none' the guard cannot see the loss you backpropagate")
-        return args[0].detach(), target.detach(), self.autocast
-
-
 class GuardedCriterion(nn.Module):
     """The user's criterion, unchanged in value, recording the targets and loss of each call.
 
     Attribute reads fall through to the wrapped criterion (``reduction``, ``weight``, …)."""
 
-    def __init__(self, criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], recorder: _Recorder) -> None:
+    def __init__(self, criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], recorder: Recorder) -> None:
         super().__init__()
         self.criterion = criterion
         self._recorder = recorder
@@ -159,7 +101,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, criterion: Callable,
-                 recorder: _Recorder, guard: Guard | None) -> None:
+                 recorder: Recorder, guard: Guard | None) -> None:
         # Optimizer.__init__ is not called on purpose: the wrapped optimizer owns the parameters
         # and its step (hooked by torch) is the one that runs.
         self.original_optimizer = optimizer
@@ -227,20 +169,25 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def _guarded_gradient(self, params: list[nn.Parameter]) -> torch.Tensor:
         guard = self._active_guard()
-        x, y, autocast = self._recorder.batch()
+        last = self._recorder.last()
         _refuse_unsupported(self._model)
-        as_recorded = self._recompute(params, x, y, autocast)
         sent = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        _require_same_gradient(sent, as_recorded, autocast, self._recorder.passes)
+        run, as_recorded = self._run_in_grad(params, sent)
+        if run is None:
+            _refuse_gradient(sent, self._recompute(params, *last.batch(), last.autocast), last.autocast,
+                             self._recorder.count)
+        x, y = (torch.cat(parts) for parts in zip(*(recorded.batch() for recorded in run)))
+        loss_fn = self._criterion if len(run) == 1 else self._accumulated_loss(run, x, y)
         # the guard measures and sends float32: a mixed-precision pass is recomputed without autocast
-        reference = as_recorded if not autocast else self._recompute(params, x, y, ())
+        reference = (as_recorded if not any(recorded.autocast for recorded in run) else
+                     sum(self._recompute(params, *recorded.batch(), ()) for recorded in run))
         self._recorder.paused = True
         try:
             step_size = self._sgd_step_size()
             # other optimizers: their own next step, measured on a copy (``auto`` judges the noise's damage to it)
             step_rule = (trial_displacement(self.original_optimizer, params)
                          if step_size is None and guard.config.clip_per_sample == "auto" else None)
-            out = guard.protect(self._model, x, y, reference, loss_fn=self._criterion, step_size=step_size,
+            out = guard.protect(self._model, x, y, reference, loss_fn=loss_fn, step_size=step_size,
                                 step_rule=step_rule)
         finally:
             self._recorder.paused = False
@@ -253,6 +200,47 @@ class GuardedOptimizer(torch.optim.Optimizer):
             failure.report = out.report  # type: ignore[attr-defined]
             raise failure
         return out.gradient.reshape(-1)
+
+    def _run_in_grad(self, params: list[nn.Parameter],
+                     sent: torch.Tensor) -> tuple[list[RecordedPass] | None, torch.Tensor | None]:
+        """The shortest run of latest passes whose summed gradient (each under its own autocast) is .grad, with that
+        sum; (None, None) where none is (``flguard.guard.recorder``)."""
+        total: torch.Tensor | None = None
+        for run in self._recorder.runs():
+            first = run[0]
+            part = self._recompute(params, *first.batch(), first.autocast)
+            total = part if total is None else total + part
+            if _same_gradient(sent, total, tuple(a for recorded in run for a in recorded.autocast)):
+                return run, total
+        return None, None
+
+    def _accumulated_loss(self, run: list[RecordedPass], x: torch.Tensor, y: torch.Tensor) -> Callable:
+        """The loss of the micro-batches of ``run`` as one batch (x, y): their summed losses, which for equal
+        micro-batches of a mean loss is k × the criterion on all of them (of a sum, the criterion), checked on
+        the model's outputs; ``GuardMisuse`` where no such loss exists."""
+        sizes = [int(recorded.batch()[1].shape[0]) for recorded in run]
+        if len(set(sizes)) != 1:
+            raise GuardMisuse(f"{len(run)} forward passes of the guarded model accumulated in .grad over micro-batches "
+                              f"of different sizes {sizes}: the guard measures accumulated micro-batches as one batch, "
+                              "which needs one size — drop the incomplete last batch (DataLoader(drop_last=True))")
+        factor = float(len(run)) if getattr(self._criterion, "reduction", "mean") == "mean" else 1.0
+        criterion = self._criterion
+
+        def accumulated(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return factor * criterion(prediction, target)
+        self._recorder.paused = True
+        try:
+            with torch.no_grad():
+                whole = self._model(x)
+                parts = [criterion(chunk, target) for chunk, target in zip(whole.split(sizes), y.split(sizes))]
+                gap, total = abs(float(accumulated(whole, y)) - float(sum(parts))), abs(float(sum(parts)))
+        finally:
+            self._recorder.paused = False
+        if not gap <= 1e-4 * total + 1e-12:
+            raise GuardMisuse(f"{len(run)} micro-batches accumulated in .grad whose losses do not add up to one loss "
+                              "over their samples (a class-weighted mean divides each by its own total weight): the "
+                              "guard cannot measure them as one batch — step once per batch, or use reduction='sum'")
+        return accumulated
 
     def _sgd_step_size(self) -> float | None:
         """``Guard.protect``'s ``step_size`` for a ``torch.optim.SGD`` (``auto`` judges how far its noise moves
@@ -295,19 +283,24 @@ class GuardedOptimizer(torch.optim.Optimizer):
                           for g, p in zip(grads, params)])
 
 
-def _require_same_gradient(sent: torch.Tensor, reference: torch.Tensor, autocast: AutocastState, passes: int) -> None:
-    """``GuardMisuse`` unless .grad (``sent``) is the recomputed gradient of the recorded batch, naming the likely
-    cause: several passes accumulated, a gradient rescaled after backward, or another loss."""
+def _same_gradient(sent: torch.Tensor, reference: torch.Tensor, autocast: AutocastState) -> bool:
+    """Whether .grad (``sent``) is ``reference`` to what recomputing it allows (``GRADIENT_MATCH_RTOL``)."""
     gap, scale = float((sent - reference).norm()), float(reference.norm())
     slack = 1e-12 * max(reference.numel(), 1) ** 0.5
-    if gap <= gradient_rtol(reference, GRADIENT_MATCH_RTOL, autocast) * scale + slack:
-        return
+    return gap <= gradient_rtol(reference, GRADIENT_MATCH_RTOL, autocast) * scale + slack
+
+
+def _refuse_gradient(sent: torch.Tensor, reference: torch.Tensor, autocast: AutocastState, passes: int) -> None:
+    """``GuardMisuse`` for a .grad (``sent``) that no run of recorded passes explains, naming the likely cause against
+    the last pass's gradient ``reference``: passes that do not add up, a gradient rescaled after backward, or another
+    loss."""
+    gap, scale = float((sent - reference).norm()), float(reference.norm())
     found = f"‖difference‖ = {gap:.3g}, ‖gradient‖ = {scale:.3g}"
     if passes > 1:
         raise GuardMisuse(f"{passes} forward passes of the guarded model since the last optimizer.step(), and .grad is "
-                          f"not the last one's gradient ({found}): gradient accumulation over several batches (or an "
-                          "extra forward pass with gradients on) is not supported — step once per batch, and "
-                          "evaluate under torch.no_grad()")
+                          f"neither the last one's gradient ({found}) nor the sum of the latest ones': an extra "
+                          "forward pass with gradients on between accumulated batches, or a loss the guard cannot "
+                          "see — evaluate under torch.no_grad()")
     factor = float(sent @ reference) / max(scale ** 2, 1e-300)
     off_line = float((sent - factor * reference).norm())
     if abs(factor - 1.0) > RESCALED_RTOL and off_line <= RESCALED_RTOL * abs(factor) * scale:
@@ -374,7 +367,7 @@ def make_guarded(model: nn.Module, optimizer: torch.optim.Optimizer,
     _warn_adaptive_lr(optimizer)
     recorder = getattr(model, "_flguard_recorder", None)
     if recorder is None:  # a model guarded again (a new optimizer per round) keeps its one pair of hooks
-        recorder = _Recorder(model)
+        recorder = Recorder(model)
         model.register_forward_pre_hook(recorder.before_forward, with_kwargs=True)
         model.register_forward_hook(recorder.after_forward, with_kwargs=True)
         model._flguard_recorder = recorder  # type: ignore[attr-defined]

@@ -1,0 +1,112 @@
+"""What a guarded training loop did since its last optimizer step: the guarded model's forward passes (with gradients
+on) and the criterion calls on their outputs — what ``make_guarded``'s step measures (``flguard.guard.training``).
+
+Each pass keeps its input, the autocast it ran under and, once the criterion is called on its output, the target.
+The step then finds the latest passes whose summed gradient is ``.grad``: the last pass alone (an ordinary step, or a
+``GradScaler`` that skipped earlier steps whose gradients were thrown away), or several (gradient accumulation over
+micro-batches, measured as one batch). At most ``MAX_PASSES`` are kept, so a loop that evaluates with gradients on
+holds a bounded number of inputs and no graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from flguard.guard.failure import GuardFailure
+from flguard.risk.precision import AutocastState, autocast_state
+
+#: The forward passes kept since the last step (the latest ones): gradient accumulation over more micro-batches than
+#: this is refused as a gradient that no kept run of passes explains.
+MAX_PASSES = 64
+
+
+class GuardMisuse(GuardFailure):
+    """The training loop does something the guard cannot cover; the message says what and how to fix it."""
+
+
+@dataclass
+class RecordedPass:
+    """One forward pass: its input and autocast, and the target of the criterion call on its output (None: none)."""
+    args: tuple
+    kwargs: dict
+    autocast: AutocastState
+    target: Any = None
+    scalar: bool = True  # whether that call returned a scalar loss
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) of this pass, or ``GuardMisuse`` naming what the guard cannot measure."""
+        if self.kwargs or len(self.args) != 1 or not isinstance(self.args[0], torch.Tensor):
+            raise GuardMisuse("the guarded model must be called with one input tensor, model(x)")
+        if not isinstance(self.target, torch.Tensor):
+            raise GuardMisuse("the criterion's target must be a tensor")
+        if not self.scalar:
+            raise GuardMisuse("the guarded criterion must return a scalar (reduction='mean' or 'sum'): with "
+                              "reduction='none' the guard cannot see the loss you backpropagate")
+        return self.args[0].detach(), self.target.detach()
+
+
+class Recorder:
+    """The passes and criterion calls since the last optimizer step (module doc); ``paused`` while the guard runs
+    the model itself."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.paused = False
+        self.clear()
+
+    def clear(self) -> None:
+        self.count = 0  # passes since the last step, kept or not
+        self.passes: list[RecordedPass] = []
+        self.output: Any = None  # the latest pass's output, until the criterion is called on it
+        self.last_call_on_last_pass = False
+
+    def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.paused or not torch.is_grad_enabled():
+            return
+        self.count += 1
+        self.passes = [*self.passes[-(MAX_PASSES - 1):], RecordedPass(args, kwargs, autocast_state())]
+        self.output, self.last_call_on_last_pass = None, False
+
+    def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.paused or not torch.is_grad_enabled():
+            return
+        self.output = output
+
+    def criterion_called(self, prediction: Any, target: Any, loss: torch.Tensor) -> None:
+        if self.paused or not torch.is_grad_enabled():
+            return
+        self.last_call_on_last_pass = self.output is not None and prediction is self.output
+        if self.last_call_on_last_pass:
+            self.passes[-1].target, self.passes[-1].scalar = target, loss.ndim == 0
+            self.output = None  # the pass's graph is the loss's now; nothing of it kept here
+
+    def last(self) -> RecordedPass:
+        """The last pass, on whose output the last criterion call was made, or ``GuardMisuse`` saying why not."""
+        if not self.passes:
+            raise GuardMisuse("optimizer.step() without a forward pass of the guarded model since the last step "
+                              "(with gradients enabled): the guard has no batch to measure")
+        if self.passes[-1].target is None and not self.last_call_on_last_pass:
+            if all(recorded.target is None for recorded in self.passes):
+                raise GuardMisuse("optimizer.step() without a call of the guarded criterion: the guard cannot see "
+                                  "the loss you backpropagated — compute the loss with the criterion make_guarded "
+                                  "returned")
+            raise GuardMisuse("the guarded criterion was not called on the guarded model's output: the guard cannot "
+                              "see the loss you backpropagated — use loss = criterion(model(x), y)")
+        self.passes[-1].batch()  # its misuse, if any, named now
+        return self.passes[-1]
+
+    def runs(self) -> list[list[RecordedPass]]:
+        """The runs of latest passes that ``.grad`` may hold, shortest first: the last pass, the last two, … while
+        each has its criterion call."""
+        runs, start = [], len(self.passes) - 1
+        while start >= 0 and self.passes[start].target is not None:
+            runs.append(self.passes[start:])
+            start -= 1
+        return runs
+
+
+__all__ = ["GuardMisuse", "MAX_PASSES", "RecordedPass", "Recorder"]

@@ -60,16 +60,16 @@ class Recorder:
 
     def clear(self) -> None:
         self.count = 0  # passes since the last step, kept or not
+        self.calls = 0  # criterion calls since the last step, on a pass's output or not
         self.passes: list[RecordedPass] = []
         self.output: Any = None  # the latest pass's output, until the criterion is called on it
-        self.last_call_on_last_pass = False
 
     def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.paused or not torch.is_grad_enabled():
             return
         self.count += 1
         self.passes = [*self.passes[-(MAX_PASSES - 1):], RecordedPass(args, kwargs, autocast_state())]
-        self.output, self.last_call_on_last_pass = None, False
+        self.output = None
 
     def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self.paused or not torch.is_grad_enabled():
@@ -79,8 +79,8 @@ class Recorder:
     def criterion_called(self, prediction: Any, target: Any, loss: torch.Tensor) -> None:
         if self.paused or not torch.is_grad_enabled():
             return
-        self.last_call_on_last_pass = self.output is not None and prediction is self.output
-        if self.last_call_on_last_pass:
+        self.calls += 1
+        if self.output is not None and prediction is self.output:
             self.passes[-1].target, self.passes[-1].scalar = target, loss.ndim == 0
             self.output = None  # the pass's graph is the loss's now; nothing of it kept here
 
@@ -89,8 +89,8 @@ class Recorder:
         if not self.passes:
             raise GuardMisuse("optimizer.step() without a forward pass of the guarded model since the last step "
                               "(with gradients enabled): the guard has no batch to measure")
-        if self.passes[-1].target is None and not self.last_call_on_last_pass:
-            if all(recorded.target is None for recorded in self.passes):
+        if self.passes[-1].target is None:  # no criterion call on its output
+            if not self.calls:
                 raise GuardMisuse("optimizer.step() without a call of the guarded criterion: the guard cannot see "
                                   "the loss you backpropagated — compute the loss with the criterion make_guarded "
                                   "returned")

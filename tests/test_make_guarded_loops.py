@@ -206,7 +206,7 @@ def test_gradient_accumulation_over_micro_batches_is_guarded_as_one_batch():
         criterion(model(xb), yb).backward()
     optimizer.step()
     report = optimizer.guard_reports[-1]
-    assert report.met and report.rmse_after.shape == (8,)
+    assert report.met and report.rmse_after.shape == (8,) and report.details["micro_batches"] == 2
     start = flat(base.parameters())
     moved, reference = flat(model.parameters()) - start, expected - start
     assert float((moved - reference).norm()) <= 1e-5 * float(reference.norm())

@@ -191,6 +191,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                                 step_rule=step_rule)
         finally:
             self._recorder.paused = False
+        if len(run) > 1:
+            out.report.details["micro_batches"] = len(run)  # accumulated, measured as one batch
         self.guard_reports.append(out.report)
         session = active_session()
         if session is not None:
@@ -230,7 +232,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             return factor * criterion(prediction, target)
         self._recorder.paused = True
         try:
-            with torch.no_grad():
+            with torch.no_grad(), autocast_as(()):  # the loss the guard measures, in float32
                 whole = self._model(x)
                 parts = [criterion(chunk, target) for chunk, target in zip(whole.split(sizes), y.split(sizes))]
                 gap, total = abs(float(accumulated(whole, y)) - float(sum(parts))), abs(float(sum(parts)))

@@ -133,7 +133,7 @@ def test_a_gradient_rescaled_after_backward_is_refused_and_named(rescale, named)
 
 def test_a_summed_loss_is_guarded_as_the_mean_it_scales():
     """reduction='sum' is the mean times B: the same training at lr/B. The certificate is scale-free and the budget's
-    unit is the clipped update's largest norm (B·C for a sum, ``update_span``), so the step is the mean's — before,
+    unit is the clipped update's largest norm (B·C for a sum, the operator's ``span``), so the step is the mean's — before,
     the sum's budget stayed C and the same step needed B times the budget."""
     base = resnet()
     x, y = batch()

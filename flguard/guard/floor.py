@@ -21,7 +21,7 @@ from flguard.guard.exclusion import excludable, kept_gradient, negligible_sample
 from flguard.guard.failure import GuardFailure
 from flguard.risk.assess import i2f_solve, jacobian_product
 from flguard.risk.closed_forms import from_rmse, i2f_lower_bound, to_rmse
-from flguard.risk.clipped import ClippedJacobian, Jacobian, base_operator
+from flguard.risk.clipped import Jacobian, base_operator
 from flguard.risk.krylov import Sufficient
 
 #: The I²F solves behind the floor run PCG preconditioned by the Lanczos run's Ritz pairs (the
@@ -93,7 +93,7 @@ class FloorCalibrator:
         floor = cfg.gaussian_floor if kind == "eigen" else 0.0
         # with max_excluded, a sample whose I2F cannot be certified at all (CG did not converge, or the
         # noise does not move it) is one more sample to leave out rather than a reason to withhold
-        budget = noise_budget(ctx.gradient, cfg, self.clip, update_span(op))
+        budget = noise_budget(ctx.gradient, cfg, self.clip, op.span)
         rule = (self.sufficient(op.x, budget / max(float(vector.norm()), 1e-30))
                 if STOP_WHEN_SUFFICIENT and floor == 0 and solved is None else None)
         shift, unit_jd, usable, slack = (solved[1] if solved is not None else
@@ -139,7 +139,7 @@ class FloorCalibrator:
         if not reachable or float(noise.norm()) > budget:
             return Outcome(noise, rmse, rmse_lb(jd, ctx.lambda_max, op.dx), ctx.eps, False,
                             f"the floor τ={cfg.floor:.4g} needs noise {float(noise.norm()):.4g} = "
-                            + (_in_clip_units(float(noise.norm()), self.clip, update_span(op))
+                            + (_in_clip_units(float(noise.norm()), self.clip, op.span)
                                if self.clip is not None else
                                f"{float(noise.norm()) / max(float(ctx.gradient.norm()), 1e-30):.3g}× the gradient norm")
                             + f"{'' if reachable else ' or more (input_bounds clip the predicted error)'}; "
@@ -288,19 +288,12 @@ _UNUSABLE = ("the I2F solve did not converge or the noise direction has no measu
 def noise_budget(flat: torch.Tensor, cfg: GuardConfig, clip: float | None, span: float = 1.0) -> float:
     """The most noise (norm) an update may carry: max_rel_noise × ‖g‖, or with per-sample clipping
     × span·C (``clip``, this step's clipping norm) — the largest norm the clipped update can have
-    (DP-SGD's unit: C for a mean loss, B·C for a sum, ``update_span``), which unlike ‖g‖ does not shrink as
-    the model converges and the samples' gradients cancel. With clipping but no C yet (a step that failed
+    (DP-SGD's unit: C for a mean loss, B·C for a sum: the operator's ``span``, ``flguard.risk.loss_split``),
+    which unlike ‖g‖ does not shrink as the model converges and the samples' gradients cancel. With clipping but no C yet (a step that failed
     before measuring), a numeric ``clip_per_sample``, else ‖g‖."""
     if clip is None and isinstance(cfg.clip_per_sample, (int, float)):
         clip = float(cfg.clip_per_sample)
     return cfg.max_rel_noise * (clip * span if clip is not None else float(flat.norm()))
-
-
-def update_span(op: Jacobian) -> float:
-    """The clipped update c Σ_i clip_C(g_i)'s largest norm per unit C: c·B — 1 for a mean loss, B for a summed
-    one (the same training, B times the gradient: the budget scales with it, as the certificate does); 1 without
-    clipping."""
-    return op.span if isinstance(op, ClippedJacobian) else 1.0
 
 
 def _in_clip_units(noise: float, clip: float, span: float) -> str:

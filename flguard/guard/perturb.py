@@ -19,7 +19,7 @@ from flguard.guard.exclusion import kept_gradient, negligible_samples
 from flguard.guard.failure import GuardFailure, failure_reason
 # its PRECONDITION_CG, SOLVER_MAX_ITER and STOP_WHEN_SUFFICIENT are read at call time (tests and benchmarks set them)
 from flguard.guard import floor
-from flguard.guard.floor import FloorCalibrator, Outcome, checked_solve, noise_budget, rmse_lb, update_span
+from flguard.guard.floor import FloorCalibrator, Outcome, checked_solve, noise_budget, rmse_lb
 from flguard.risk.assess import i2f_norms, i2f_solve_with_lambda_max
 from flguard.risk.closed_forms import to_rmse
 from flguard.risk.clipped import Jacobian, base_operator
@@ -144,7 +144,7 @@ class Perturber:
         direction = (isotropic(op.dtheta, generator, flat) if kind == "gaussian"
                      else rowspace(op, generator, cfg.eps, cfg.eps_mode == "relative"))
         calibrator = FloorCalibrator(cfg, clip)
-        limit = noise_budget(flat, cfg, clip, update_span(op)) / max(float(direction.vector.norm()), 1e-30)
+        limit = noise_budget(flat, cfg, clip, op.span) / max(float(direction.vector.norm()), 1e-30)
         rule = calibrator.sufficient(op.x, limit) if floor.STOP_WHEN_SUFFICIENT else None
         shift, jd, converged, lambda_max, eps, lambda_ok, bound = i2f_solve_with_lambda_max(
             op, direction.vector, cfg.eps, cfg.eps_mode == "relative", cfg.rtol, seed=seed, max_iter=floor.SOLVER_MAX_ITER,
@@ -217,7 +217,7 @@ class Perturber:
                                f"{max_move:.0%})")
             else:
                 reasons.append(f"{kind}: {outcome.reason}")
-            budget = noise_budget(flat, self.config, clip, update_span(op))
+            budget = noise_budget(flat, self.config, clip, op.span)
             if kind == first and (far or noise > AUTO_SKIP_FACTOR * budget):
                 self._skip_first = AUTO_SKIP_STEPS
         if fallback is not None:

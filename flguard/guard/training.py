@@ -173,9 +173,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         _refuse_unsupported(self._model)
         sent = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
         run, as_recorded = self._run_in_grad(params, sent)
-        if run is None:
-            _refuse_gradient(sent, self._recompute(params, *last.batch(), last.autocast), last.autocast,
-                             self._recorder.count)
+        if run is None:  # as_recorded: the last pass's own gradient
+            _refuse_gradient(sent, as_recorded, last.autocast, self._recorder.count)
         x, y = (torch.cat(parts) for parts in zip(*(recorded.batch() for recorded in run)))
         loss_fn = self._criterion if len(run) == 1 else self._accumulated_loss(run, x, y)
         # the guard measures and sends float32: a mixed-precision pass is recomputed without autocast
@@ -204,17 +203,20 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return out.gradient.reshape(-1)
 
     def _run_in_grad(self, params: list[nn.Parameter],
-                     sent: torch.Tensor) -> tuple[list[RecordedPass] | None, torch.Tensor | None]:
+                     sent: torch.Tensor) -> tuple[list[RecordedPass] | None, torch.Tensor]:
         """The shortest run of latest passes whose summed gradient (each under its own autocast) is .grad, with that
-        sum; (None, None) where none is (``flguard.guard.recorder``)."""
+        sum; where none is, None and the last pass's own gradient, which the refusal is named against
+        (``flguard.guard.recorder``)."""
         total: torch.Tensor | None = None
+        last: torch.Tensor | None = None
         for run in self._recorder.runs():
             first = run[0]
             part = self._recompute(params, *first.batch(), first.autocast)
-            total = part if total is None else total + part
+            total, last = (part, part) if total is None else (total + part, last)
             if _same_gradient(sent, total, tuple(a for recorded in run for a in recorded.autocast)):
                 return run, total
-        return None, None
+        assert last is not None  # runs() starts with the last pass, which ``Recorder.last`` checked
+        return None, last
 
     def _accumulated_loss(self, run: list[RecordedPass], x: torch.Tensor, y: torch.Tensor) -> Callable:
         """The loss of the micro-batches of ``run`` as one batch (x, y): their summed losses, which for equal

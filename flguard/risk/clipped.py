@@ -44,7 +44,6 @@ class ClippedJacobian:
                              "the loss must be a mean, a sum or a class-weighted mean of the samples' own losses "
                              "(flguard.risk.loss_split)")
         self.op, self.clip = op, float(clip)
-        self.span = op.span  # the clipped update's largest norm per unit C, c·B (``flguard.risk.loss_split``)
         per = op.per_sample_gradients()
         norms = per.norm(dim=1)
         clipped = norms > self.clip

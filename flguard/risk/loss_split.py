@@ -11,9 +11,9 @@ The per-sample operator (``flguard.risk.operator``) differentiates each sample's
   a number fixed by the batch's labels, which neither the parameters nor the inputs move.
 
 ``span`` is c·B, the clipped update c Σ_i clip_C(∇ℓ_i)'s largest norm per unit C — the noise budget's unit
-(``flguard.guard.floor.update_span``): exactly 1 for a mean, B for a sum. Every split is checked on the batch's
-own logits (the batch loss against c Σ_i ℓ_i, to 1e-4) before it is used; a loss that fits none is not separable
-(None), and per-sample clipping refuses it.
+(``flguard.guard.floor.noise_budget``; the operator keeps it as ``span``): exactly 1 for a mean, B for a sum.
+Every split is checked on the batch's own logits (the batch loss against c Σ_i ℓ_i, to 1e-4) before it is used; a
+loss that fits none is not separable (None), and per-sample clipping refuses it.
 """
 
 from __future__ import annotations

@@ -140,6 +140,7 @@ class JacobianOperator(DirectProducts):
         self.batch_loss_fn = self.loss_fn  # the loss of the whole batch, as given
         if not self.coupled:  # the batch loss = c Σ_i ℓ(sample i): ℓ a weighted mean's summed form (loss_split)
             self.loss_fn = split.per_sample
+        # c, and c·B: the clipped update's largest norm per unit C, the noise budget's unit (loss_split)
         self.scale, self.span = (1.0, 1.0) if self.coupled else (split.scale, split.span)
         if products not in ("auto", "cached", "direct"):
             raise ValueError(f"products={products!r}: choose 'auto', 'cached' or 'direct'")

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
+
+from flguard.risk.operator import JacobianOperator
 
 
 def dense_jacobians(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,3 +126,48 @@ def resnet8_gn_batch() -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Ten
     model = create("resnet8_gn", image_size=6).double()
     x, y = torch.randn(8, 3, 6, 6, dtype=torch.float64), torch.arange(8) % 10
     return model, x, y, per_sample_gradients(model, x, y)
+
+
+def clipped_upload_jacobians(model, x, y, clip, clipped):
+    """Dense J̄_i [dx, dθ] (θ: the trainable parameters) of sample i's clipped term (1/B)·clip_C(∇θℓ(x_i)), C fixed: forward-mode
+    columns (one per input coordinate) of the plain per-sample gradient map, written independently. ``clipped``
+    (one bool per sample) fixes each sample's branch as the guard decides it (clipped iff ‖g_i‖ > C): at a median
+    clip level one sample's norm is C itself, and ``clamp(C/‖g‖, max=1)`` would pick its branch by the last bit of
+    the norm recomputed here (PyTorch 2.11 and 2.14 picked differently)."""
+    from torch.func import functional_call, grad, jacfwd
+
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}  # the others: the model's
+
+    def term(xi, yi, is_clipped):
+        loss = lambda ps: nn.functional.cross_entropy(functional_call(model, ps, (xi.unsqueeze(0),)),  # noqa: E731
+                                                      yi.unsqueeze(0))
+        g = torch.cat([t.reshape(-1) for t in grad(loss)(params).values()])
+        return (g * (clip / g.norm()) if is_clipped else g) / len(x)
+
+    return torch.stack([jacfwd(lambda xi: term(xi, y[i], bool(clipped[i])))(x[i].contiguous()).reshape(
+        -1, x[i].numel()).T for i in range(len(x))])
+
+
+def assert_certified_on_dense_float64(model, x, y, config, report):
+    """The noise in the model's ``.grad`` (the sent update less the kept samples' clipped gradients at the median
+    clip level) gives every kept sample a dense-recomputed, box-clipped I²F RMSE ≥ τ, and the report agrees."""
+    sent = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
+    per = JacobianOperator(model, x, y).per_sample_gradients()
+    norms = per.norm(dim=1)
+    clip = float(norms.median())
+    kept = torch.isfinite(report.rmse_after).cpu()
+    factor = torch.clamp(clip / norms, max=1.0)
+    noise = sent - (per * factor.unsqueeze(1))[kept].sum(0) / len(x)
+    jac = clipped_upload_jacobians(model, x, y, clip, norms > clip)
+    kernel = jac @ jac.transpose(1, 2)
+    lam = torch.linalg.eigvalsh(kernel)[:, -1]
+    eps = config.eps * lam
+    b = jac @ noise
+    shift = torch.linalg.solve(kernel + eps.view(-1, 1, 1) * torch.eye(kernel.shape[1], dtype=kernel.dtype),
+                               b.unsqueeze(-1)).squeeze(-1)
+    low = ((0 - torch.tensor(config.pixel_mean)) / torch.tensor(config.pixel_std)).view(1, 3, 1, 1).double()
+    high = ((1 - torch.tensor(config.pixel_mean)) / torch.tensor(config.pixel_std)).view(1, 3, 1, 1).double()
+    moved = torch.clamp(x + shift.view_as(x), low, high) - x
+    rmse = moved.flatten(1).norm(dim=1) / math.sqrt(shift.shape[1])
+    assert bool((rmse[kept] >= config.floor).all()), (rmse, config.floor)
+    assert_reported_rmse(report, rmse, rtol=3 * config.rtol, where=kept)

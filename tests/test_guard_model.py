@@ -3,8 +3,6 @@ defaults (median clipping) against dense float64 I²F, and the per-step limit fa
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
@@ -13,7 +11,7 @@ from flguard import Guard, GuardConfig, UnsupportedModel, check_model, fix_model
 from flguard.guard import GuardFailure
 from flguard.models import create
 from flguard.risk.operator import JacobianOperator
-from risk_reference import assert_reported_rmse
+from risk_reference import assert_certified_on_dense_float64
 
 MEAN, STD = (0.5, 0.4, 0.3), (0.25, 0.2, 0.3)
 
@@ -76,26 +74,6 @@ def test_a_batchnorm_switched_on_after_wrapping_is_refused_at_the_step():
     assert all(p.grad is None for p in model.parameters())
 
 
-def _clipped_upload_jacobians(model, x, y, clip, clipped):
-    """Dense J̄_i [dx, dθ] of sample i's clipped term (1/B)·clip_C(∇θℓ(x_i)), C fixed: forward-mode
-    columns (one per input coordinate) of the plain per-sample gradient map, written independently. ``clipped``
-    (one bool per sample) fixes each sample's branch as the guard decides it (clipped iff ‖g_i‖ > C): at a median
-    clip level one sample's norm is C itself, and ``clamp(C/‖g‖, max=1)`` would pick its branch by the last bit of
-    the norm recomputed here (PyTorch 2.11 and 2.14 picked differently)."""
-    from torch.func import functional_call, grad, jacfwd
-
-    params = {n: p.detach() for n, p in model.named_parameters()}
-
-    def term(xi, yi, is_clipped):
-        loss = lambda ps: nn.functional.cross_entropy(functional_call(model, ps, (xi.unsqueeze(0),)),  # noqa: E731
-                                                      yi.unsqueeze(0))
-        g = torch.cat([t.reshape(-1) for t in grad(loss)(params).values()])
-        return (g * (clip / g.norm()) if is_clipped else g) / len(x)
-
-    return torch.stack([jacfwd(lambda xi: term(xi, y[i], bool(clipped[i])))(x[i].contiguous()).reshape(
-        -1, x[i].numel()).T for i in range(len(x))])
-
-
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
@@ -137,32 +115,7 @@ def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f(def
     report = optimizer.guard_reports[0]
     assert report.met
     model.cpu()
-    _assert_certified_on_dense_float64(model, x, y, config, report)
-
-
-def _assert_certified_on_dense_float64(model, x, y, config, report):
-    """The noise in the model's ``.grad`` (the sent update less the kept samples' clipped gradients at the median
-    clip level) gives every kept sample a dense-recomputed, box-clipped I²F RMSE ≥ τ, and the report agrees."""
-    sent = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    per = JacobianOperator(model, x, y).per_sample_gradients()
-    norms = per.norm(dim=1)
-    clip = float(norms.median())
-    kept = torch.isfinite(report.rmse_after).cpu()
-    factor = torch.clamp(clip / norms, max=1.0)
-    noise = sent - (per * factor.unsqueeze(1))[kept].sum(0) / len(x)
-    jac = _clipped_upload_jacobians(model, x, y, clip, norms > clip)
-    kernel = jac @ jac.transpose(1, 2)
-    lam = torch.linalg.eigvalsh(kernel)[:, -1]
-    eps = config.eps * lam
-    b = jac @ noise
-    shift = torch.linalg.solve(kernel + eps.view(-1, 1, 1) * torch.eye(kernel.shape[1], dtype=kernel.dtype),
-                               b.unsqueeze(-1)).squeeze(-1)
-    low = ((0 - torch.tensor(MEAN)) / torch.tensor(STD)).view(1, 3, 1, 1).double()
-    high = ((1 - torch.tensor(MEAN)) / torch.tensor(STD)).view(1, 3, 1, 1).double()
-    moved = torch.clamp(x + shift.view_as(x), low, high) - x
-    rmse = moved.flatten(1).norm(dim=1) / math.sqrt(shift.shape[1])
-    assert bool((rmse[kept] >= config.floor).all()), (rmse, config.floor)
-    assert_reported_rmse(report, rmse, rtol=3 * config.rtol, where=kept)
+    assert_certified_on_dense_float64(model, x, y, config, report)
 
 
 @pytest.mark.parametrize("products", ["cached", "direct", "direct-1"])
@@ -198,7 +151,7 @@ def test_a_small_vision_transformer_is_guarded_and_certified_against_dense_float
     report = optimizer.guard_reports[0]
     assert report.met, report.reason
     with sdpa_kernel(SDPBackend.MATH):
-        _assert_certified_on_dense_float64(model, x, y, config, report)
+        assert_certified_on_dense_float64(model, x, y, config, report)
 
 
 def test_channels_last_float32_is_computed_on_contiguous_inputs():

@@ -25,7 +25,9 @@ sample i alone only when the forward pass treats samples independently and deter
 ``make_guarded`` and ``Guard.protect`` refuse a model with any of them before measuring, with an
 ``UnsupportedModel`` error that names BatchNorm and ``fix_model``, instead of failing step after
 step. ``fix_model`` returns a *new* model (a deep copy: the original is left as it was) with every
-BatchNorm replaced by a GroupNorm of the same channels and affine parameters carried over.
+BatchNorm replaced by a GroupNorm of the same channels and affine parameters carried over — or, for
+fine-tuning a pretrained model, by a ``FrozenBatchNorm`` that keeps its running statistics fixed
+(``flguard.guard.frozen_batchnorm``: the eval-mode map, per sample, in any mode).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import math
 
 import torch
 from torch import nn
+
+from flguard.guard.frozen_batchnorm import FrozenBatchNorm
 
 
 class UnsupportedModel(ValueError):
@@ -52,7 +56,9 @@ def _batchnorm_problem(name: str, module: nn.Module) -> str:
     return (f"{name or '<model>'}: {type(module).__name__} in {mode} normalises each sample with the batch's "
             "statistics, so a sample's leakage depends on the whole batch, and its running statistics (sent "
             "with the parameters) are updated from the batch unguarded; fix: flguard.fix_model(model) replaces "
-            "every BatchNorm with a GroupNorm of the same channels")
+            "every BatchNorm with a GroupNorm of the same channels (training from scratch), or "
+            "flguard.fix_model(model, batchnorm='frozen') keeps a pretrained model's running statistics fixed "
+            "(fine-tuning)")
 
 
 #: Problems that a module's mode cannot change (refused as soon as a model is wrapped); the others
@@ -137,24 +143,40 @@ def _group_norm(module: nn.modules.batchnorm._BatchNorm) -> nn.GroupNorm:
     return norm
 
 
-def fix_model(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` with every BatchNorm (1d, 2d, 3d, Sync) replaced by a GroupNorm of the same
-    channels (``MAX_GROUPS``), its ε and affine weights carried over; ``model`` itself is not changed.
+#: ``fix_model``'s replacements for a BatchNorm.
+BATCHNORM_FIXES = ("groupnorm", "frozen")
 
-    The copy's parameters are new tensors: build the optimizer (and ``make_guarded``) on the
-    returned model. A BatchNorm given as the whole model is replaced too. Dropout is left to the
-    user (``check_model`` still lists it in train mode): removing it changes the regularisation."""
+
+def fix_model(model: nn.Module, batchnorm: str = "groupnorm") -> nn.Module:
+    """A copy of ``model`` with every BatchNorm (1d, 2d, 3d, Sync) replaced; ``model`` itself is not changed.
+
+    ``batchnorm="groupnorm"`` (Opacus' fix, for a model trained from scratch): a GroupNorm of the same channels
+    (``MAX_GROUPS``), its ε and affine weights carried over. ``batchnorm="frozen"`` (for fine-tuning a pretrained
+    model): a ``FrozenBatchNorm`` that normalises with the BatchNorm's running statistics as they stand — the very map
+    the pretrained network computes in eval mode, now in train mode too, per sample; a BatchNorm without running
+    statistics is refused by name. The copy's parameters are new tensors: build the optimizer (and ``make_guarded``)
+    on the returned model. A BatchNorm given as the whole model is replaced too. Dropout is left to the user
+    (``check_model`` still lists it in train mode): removing it changes the regularisation."""
     if not isinstance(model, nn.Module):
         raise TypeError("fix_model: model must be a torch.nn.Module")
+    if batchnorm not in BATCHNORM_FIXES:
+        raise ValueError(f"fix_model: batchnorm={batchnorm!r} must be one of {BATCHNORM_FIXES}")
+
+    def replaced(module: nn.modules.batchnorm._BatchNorm, name: str) -> nn.Module:
+        if batchnorm == "groupnorm":
+            return _group_norm(module)
+        frozen = FrozenBatchNorm.from_batchnorm(module, name)
+        return frozen.to(device=module.running_mean.device).train(module.training)
+
     if isinstance(model, nn.modules.batchnorm._BatchNorm):
-        return _group_norm(model)
+        return replaced(model, "")
     fixed = copy.deepcopy(model)
-    for parent in list(fixed.modules()):
+    for parent_name, parent in list(fixed.named_modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, nn.modules.batchnorm._BatchNorm):
-                setattr(parent, child_name, _group_norm(child))
+                setattr(parent, child_name, replaced(child, f"{parent_name}.{child_name}".lstrip(".")))
     return fixed
 
 
 __all__ = ["check_model", "fix_model", "model_problems", "require_supported", "UnsupportedModel", "MAX_GROUPS",
-           "STRUCTURAL", "DROP_ATTRIBUTE"]
+           "STRUCTURAL", "DROP_ATTRIBUTE", "BATCHNORM_FIXES", "FrozenBatchNorm"]

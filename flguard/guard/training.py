@@ -22,7 +22,9 @@ and the loss it returned. ``optimizer.step()`` then
    loss with extra terms, a missing ``zero_grad``, a gradient rescaled after ``backward``
    (``clip_grad_norm_``, a ``GradScaler`` not updated) match none and are refused, each named — the
    guard must measure the very loss that was sent;
-3. runs ``Guard.protect`` on that gradient in float32 (a mixed-precision loop's forward pass is
+3. runs ``Guard.protect`` on that gradient — of the model's trainable parameters that the optimizer holds,
+   what its step applies (``flguard.guard.held_parameters``: fine-tuning with a frozen backbone or a head-only
+   optimizer) — in float32 (a mixed-precision loop's forward pass is
    recomputed without autocast: the guard measures and sends float32, and the optimizer applies
    the guarded float32 gradient); a withheld update raises ``GuardFailure`` with the
    reason, clears ``.grad`` and leaves the parameters untouched — an unguarded step is never
@@ -46,6 +48,7 @@ from torch import nn
 
 from flguard.guard import Guard, GuardFailure
 from flguard.guard.config import GuardConfig
+from flguard.guard.held_parameters import check_held, clear_unmeasured, held_parameters, measuring_only
 from flguard.guard.model_check import STRUCTURAL, UnsupportedModel, require_supported
 from flguard.guard.recorder import GuardMisuse, RecordedPass, Recorder
 from flguard.guard.report import GuardReport
@@ -154,15 +157,21 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise GuardMisuse("optimizer.step(closure) is not supported by the guard (it would re-evaluate the "
                               "loss on its own); use loss.backward(); optimizer.step()")
-        params = [p for p in self._model.parameters() if p.requires_grad]
+        params, idle = held_parameters(self._model, self.original_optimizer)
+        clear_unmeasured(self.original_optimizer, [])  # a frozen parameter's stale .grad: never applied
         try:
-            guarded = self._guarded_gradient(params)
+            if not params:
+                raise GuardMisuse("optimizer.step(): the optimizer holds none of the model's trainable parameters "
+                                  "(requires_grad): there is no update to guard")
+            with measuring_only(idle):  # the certificate is on what this optimizer applies, and nothing else
+                guarded = self._guarded_gradient(params)
         except GuardFailure:
             for p in params:  # never leave the unguarded gradient where a later step could apply it
                 p.grad = None
             raise
         finally:
             self._recorder.clear()
+            clear_unmeasured(self.original_optimizer, idle)
         for p, g in zip(params, guarded.split([p.numel() for p in params])):
             p.grad = g.view_as(p).to(p.dtype).clone()
         self.original_optimizer.step()
@@ -362,12 +371,7 @@ def make_guarded(model: nn.Module, optimizer: torch.optim.Optimizer,
     if not callable(criterion):
         raise TypeError("make_guarded: criterion must be callable as criterion(prediction, target)")
     require_supported(model, "make_guarded", STRUCTURAL)  # BatchNorm: refused before the first step
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in trainable:
-                raise ValueError("make_guarded: the optimizer holds a parameter that is not a trainable parameter "
-                                 "of the model; the guard can only cover the model's own gradients")
+    check_held(model, optimizer)
     _warn_adaptive_lr(optimizer)
     recorder = getattr(model, "_flguard_recorder", None)
     if recorder is None:  # a model guarded again (a new optimizer per round) keeps its one pair of hooks

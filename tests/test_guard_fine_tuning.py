@@ -147,3 +147,35 @@ def test_make_guarded_refuses_an_optimizer_over_foreign_or_only_frozen_parameter
     model.fc.requires_grad_(False)
     with pytest.raises(ValueError, match="none of the model's trainable parameters"):
         make_guarded(model, torch.optim.SGD(model.fc.parameters(), lr=0.1), nn.CrossEntropyLoss(), GuardConfig())
+
+
+def _unfrozen_step(later: bool) -> list[torch.Tensor]:
+    """fc, then bn1's affine weights trained; ``later``: bn1 unfrozen after make_guarded and added with
+    add_param_group (a generator, as ``model.bn1.parameters()``); else both in the optimizer from the start."""
+    model = fix_model(_pretrained(), batchnorm="frozen")
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("fc.") or (not later and name.startswith("bn1.")))
+    groups = [{"params": model.fc.parameters()}] + ([] if later else [{"params": model.bn1.parameters(), "lr": 0.05}])
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(groups, lr=0.1), nn.CrossEntropyLoss(),
+                                               GuardConfig(seed=1, max_rel_noise=1e3))
+    if later:
+        model.bn1.requires_grad_(True)
+        optimizer.add_param_group({"params": model.bn1.parameters(), "lr": 0.05})
+        with pytest.raises(ValueError, match="add_param_group: .*not one of the model's"):
+            optimizer.add_param_group({"params": nn.Parameter(torch.zeros(2))})
+    x, y = _batch()
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()
+    assert optimizer.guard_reports[0].met, optimizer.guard_reports[0].reason
+    assert len(optimizer.param_groups) == 2 and len(optimizer.param_groups[1]["params"]) == 2
+    assert model.stem.weight.grad is None
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_layer_unfrozen_and_added_later_is_guarded_as_if_held_from_the_start():
+    """Progressive unfreezing: the step after bn1 joins the optimizer measures fc and bn1 together — the same step
+    as an optimizer that held both from the start, bit for bit (bn1 moved by the guarded gradient, not its own); a
+    tensor outside the model is refused by add_param_group."""
+    start, later = _unfrozen_step(False), _unfrozen_step(True)
+    assert all(torch.equal(a, b) for a, b in zip(start, later))

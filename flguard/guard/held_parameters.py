@@ -45,13 +45,18 @@ def measuring_only(idle: list[nn.Parameter]) -> Iterator[None]:
             p.requires_grad_(True)
 
 
+def require_own(model: nn.Module, params: list[torch.Tensor], caller: str) -> None:
+    """A ValueError where ``params`` holds a tensor that is not one of the model's parameters."""
+    own = {id(p) for p in model.parameters()}
+    if any(id(p) not in own for p in params):
+        raise ValueError(f"{caller}: the optimizer holds a parameter that is not one of the model's; the guard can "
+                         "only cover the model's own gradients")
+
+
 def check_held(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """``make_guarded``'s check of what the optimizer holds: only the model's parameters (a ValueError otherwise);
     a warning naming the trainable ones it does not hold, whose gradients the step clears unsent."""
-    own = {id(p) for p in model.parameters()}
-    if any(id(p) not in own for group in optimizer.param_groups for p in group["params"]):
-        raise ValueError("make_guarded: the optimizer holds a parameter that is not one of the model's; the guard "
-                         "can only cover the model's own gradients")
+    require_own(model, [p for group in optimizer.param_groups for p in group["params"]], "make_guarded")
     measured, idle = held_parameters(model, optimizer)
     if not measured:
         raise ValueError("make_guarded: the optimizer holds none of the model's trainable parameters "
@@ -65,15 +70,16 @@ def check_held(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
                       "(requires_grad_(False)) to skip their backward pass", UserWarning, stacklevel=3)
 
 
-def clear_unmeasured(optimizer: torch.optim.Optimizer, idle: list[nn.Parameter]) -> None:
-    """Drop every gradient a guarded step does not send: those of the frozen parameters the optimizer holds and those
-    of the ``idle`` trainable parameters it does not hold."""
+def clear_unmeasured(optimizer: torch.optim.Optimizer, measured: list[nn.Parameter], idle: list[nn.Parameter]) -> None:
+    """Drop every gradient a guarded step does not send: those of the optimizer's parameters it does not measure
+    (frozen ones) and those of the ``idle`` trainable parameters the optimizer does not hold."""
+    sent = {id(p) for p in measured}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if not p.requires_grad:
+            if id(p) not in sent:
                 p.grad = None
     for p in idle:
         p.grad = None
 
 
-__all__ = ["held_parameters", "measuring_only", "check_held", "clear_unmeasured"]
+__all__ = ["held_parameters", "measuring_only", "check_held", "clear_unmeasured", "require_own"]

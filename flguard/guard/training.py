@@ -48,7 +48,8 @@ from torch import nn
 
 from flguard.guard import Guard, GuardFailure
 from flguard.guard.config import GuardConfig
-from flguard.guard.held_parameters import check_held, clear_unmeasured, held_parameters, measuring_only
+from flguard.guard.held_parameters import (check_held, clear_unmeasured, held_parameters, measuring_only,
+                                          require_own)
 from flguard.guard.model_check import STRUCTURAL, UnsupportedModel, require_supported
 from flguard.guard.recorder import GuardMisuse, RecordedPass, Recorder
 from flguard.guard.report import GuardReport
@@ -146,7 +147,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.original_optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict) -> None:
-        self.original_optimizer.add_param_group(param_group)
+        params = param_group["params"]  # (a generator, such as model.layer4.parameters(), read once)
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        require_own(self._model, params, "add_param_group")
+        self.original_optimizer.add_param_group({**param_group, "params": params})
 
     def __repr__(self) -> str:
         return f"GuardedOptimizer({self.original_optimizer!r})"
@@ -158,7 +162,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             raise GuardMisuse("optimizer.step(closure) is not supported by the guard (it would re-evaluate the "
                               "loss on its own); use loss.backward(); optimizer.step()")
         params, idle = held_parameters(self._model, self.original_optimizer)
-        clear_unmeasured(self.original_optimizer, [])  # a frozen parameter's stale .grad: never applied
+        clear_unmeasured(self.original_optimizer, params, [])  # a frozen parameter's stale .grad: never applied
         try:
             if not params:
                 raise GuardMisuse("optimizer.step(): the optimizer holds none of the model's trainable parameters "
@@ -171,7 +175,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             raise
         finally:
             self._recorder.clear()
-            clear_unmeasured(self.original_optimizer, idle)
+            clear_unmeasured(self.original_optimizer, params, idle)
         for p, g in zip(params, guarded.split([p.numel() for p in params])):
             p.grad = g.view_as(p).to(p.dtype).clone()
         self.original_optimizer.step()

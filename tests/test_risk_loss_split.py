@@ -53,3 +53,14 @@ def test_soft_targets_are_a_plain_mean_and_a_coupled_loss_is_refused():
     assert split.scale == 1 / 5
     _, labels = logits_and_labels()
     assert split_loss(lambda z, y: F.cross_entropy(z, y) ** 2, logits, labels) is None
+
+
+def test_class_weights_within_the_checks_tolerance_of_uniform_keep_their_weighting():
+    """Weights 1 + 1e-5 and 1 + 2e-5: the batch loss is within 1e-4 of the plain mean, which the split used to take first —
+    dropping the weighting; now a criterion with weights is split as the weighted mean, ℓ_i = w_{y_i}·CE_i."""
+    logits, labels = logits_and_labels()
+    w = torch.tensor([1.0, 1.0 + 1e-5, 1.0 + 2e-5, 1.0], dtype=torch.float64)
+    split = split_loss(nn.CrossEntropyLoss(weight=w), logits, labels)
+    assert split.scale == pytest.approx(1 / float(w[labels].sum()), rel=1e-12) and split.scale != 1 / 5
+    torch.testing.assert_close(per_sample(split, logits, labels),
+                               w[labels] * F.cross_entropy(logits, labels, reduction="none"), rtol=1e-12, atol=0)

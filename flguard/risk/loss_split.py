@@ -13,7 +13,9 @@ The per-sample operator (``flguard.risk.operator``) differentiates each sample's
 ``span`` is c·B, the clipped update c Σ_i clip_C(∇ℓ_i)'s largest norm per unit C — the noise budget's unit
 (``flguard.guard.floor.noise_budget``; the operator keeps it as ``span``): exactly 1 for a mean, B for a sum.
 Every split is checked on the batch's own logits (the batch loss against c Σ_i ℓ_i, to 1e-4) before it is used; a
-loss that fits none is not separable (None), and per-sample clipping refuses it.
+loss that fits none is not separable (None), and per-sample clipping refuses it. A criterion that weighs the batch's
+samples is split as the weighted mean first: class weights within 1e-4 of uniform would pass the plain mean's check,
+and the guard would then send the unweighted clipped mean.
 """
 
 from __future__ import annotations
@@ -41,18 +43,33 @@ def split_loss(loss_fn: LossFn, logits: torch.Tensor, labels: torch.Tensor) -> L
     """The split of ``loss_fn`` on this batch (module doc), or None where neither a mean, a sum nor a weighted mean
     fits."""
     batch_loss, size = float(loss_fn(logits, labels)), int(logits.shape[0])
+    if _weighted(loss_fn, labels):  # first: weights within 1e-4 of uniform would pass as a plain mean, unweighted
+        return _weighted_split(loss_fn, logits, labels, batch_loss)
     total = _per_sample_total(loss_fn, logits, labels)
     if _agrees(batch_loss, total / size, total):
         return LossSplit(loss_fn, 1.0 / size, 1.0)
     if _agrees(batch_loss, total, total):
         return LossSplit(loss_fn, 1.0, float(size))
+    return _weighted_split(loss_fn, logits, labels, batch_loss)
+
+
+def _weighted(loss_fn: LossFn, labels: torch.Tensor) -> bool:
+    """A class-index mean criterion that weighs this batch's samples: class weights, or an ignored label it holds."""
+    if _summed(loss_fn) is None or labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        return False
+    return getattr(loss_fn, "weight", None) is not None or bool((labels == loss_fn.ignore_index).any())
+
+
+def _weighted_split(loss_fn: LossFn, logits: torch.Tensor, labels: torch.Tensor, batch_loss: float) -> LossSplit | None:
+    """The weighted mean's split, (1/Σ_j w_{y_j}) Σ_i [w_{y_i}·ℓ_i] (module doc), checked; None where it does not
+    fit."""
     summed, weight = _summed(loss_fn), _total_weight(loss_fn, labels)
     if summed is None or weight is None or weight <= 0:
         return None
     total = _per_sample_total(summed, logits, labels)
     if not _agrees(batch_loss, total / weight, total / weight):
         return None
-    return LossSplit(summed, 1.0 / weight, size / weight)
+    return LossSplit(summed, 1.0 / weight, int(logits.shape[0]) / weight)
 
 
 def _per_sample_total(loss_fn: LossFn, logits: torch.Tensor, labels: torch.Tensor) -> float:

@@ -95,8 +95,8 @@ def test_a_frozen_pretrained_backbone_in_an_optimizer_over_all_parameters_is_cer
     model.stem.weight.grad = torch.ones_like(model.stem.weight)  # stale, from before the freeze
     config = GuardConfig(pixel_mean=MEAN, pixel_std=STD, seed=3, clip_per_sample="median", max_excluded=0.25,
                          max_rel_noise=40.0, rtol=1e-2)
-    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.CrossEntropyLoss(),
-                                               config)
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                                               nn.CrossEntropyLoss(), config)
     x, y = _batch()
     optimizer.zero_grad(set_to_none=False)  # keeps the stale gradient's tensor (zeroed): set it again below
     model.stem.weight.grad.fill_(1.0)

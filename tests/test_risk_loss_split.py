@@ -56,7 +56,8 @@ def test_soft_targets_are_a_plain_mean_and_a_coupled_loss_is_refused():
 
 
 def test_class_weights_within_the_checks_tolerance_of_uniform_keep_their_weighting():
-    """Weights 1 + 1e-5 and 1 + 2e-5: the batch loss is within 1e-4 of the plain mean, which the split used to take first —
+    """Weights 1 + 1e-5 and 1 + 2e-5: the batch loss is within 1e-4 of the plain mean, which the split used to take
+    first —
     dropping the weighting; now a criterion with weights is split as the weighted mean, ℓ_i = w_{y_i}·CE_i."""
     logits, labels = logits_and_labels()
     w = torch.tensor([1.0, 1.0 + 1e-5, 1.0 + 2e-5, 1.0], dtype=torch.float64)

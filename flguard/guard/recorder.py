@@ -1,7 +1,9 @@
 """What a guarded training loop did since its last optimizer step: the guarded model's forward passes (with gradients
 on) and the criterion calls on their outputs — what ``make_guarded``'s step measures (``flguard.guard.training``).
 
-Each pass keeps its input, the autocast it ran under and, once the criterion is called on its output, the target.
+Each pass keeps its input, the autocast it ran under and, once the criterion is called on its output, the target —
+the output itself, or one tensor of a structured output (a tuple, a dict, Hugging Face's ``ModelOutput``), whose
+place the pass keeps (``output_path``) so that the guard measures that part of the model's output (``SelectedOutput``).
 The step then finds the latest passes whose summed gradient is ``.grad``: the last pass alone (an ordinary step, or a
 ``GradScaler`` that skipped earlier steps whose gradients were thrown away), or several (gradient accumulation over
 micro-batches, measured as one batch). At most ``MAX_PASSES`` are kept, so a loop that evaluates with gradients on
@@ -10,6 +12,7 @@ holds a bounded number of inputs and no graphs.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +20,7 @@ import torch
 from torch import nn
 
 from flguard.guard.failure import GuardFailure
+from flguard.risk.functional import uncompiled
 from flguard.risk.precision import AutocastState, autocast_state
 
 #: The forward passes kept since the last step (the latest ones): gradient accumulation over more micro-batches than
@@ -36,6 +40,7 @@ class RecordedPass:
     autocast: AutocastState
     target: Any = None
     scalar: bool = True  # whether that call returned a scalar loss
+    path: tuple = ()  # where in the pass's output the criterion's prediction was (() : the output itself)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) of this pass, or ``GuardMisuse`` naming what the guard cannot measure."""
@@ -80,8 +85,9 @@ class Recorder:
         if self.paused or not torch.is_grad_enabled():
             return
         self.calls += 1
-        if self.output is not None and prediction is self.output:
-            self.passes[-1].target, self.passes[-1].scalar = target, loss.ndim == 0
+        path = None if self.output is None else output_path(self.output, prediction)
+        if path is not None:
+            self.passes[-1].target, self.passes[-1].scalar, self.passes[-1].path = target, loss.ndim == 0, path
             self.output = None  # the pass's graph is the loss's now; nothing of it kept here
 
     def last(self) -> RecordedPass:
@@ -95,7 +101,8 @@ class Recorder:
                                   "the loss you backpropagated — compute the loss with the criterion make_guarded "
                                   "returned")
             raise GuardMisuse("the guarded criterion was not called on the guarded model's output: the guard cannot "
-                              "see the loss you backpropagated — use loss = criterion(model(x), y)")
+                              "see the loss you backpropagated — use loss = criterion(model(x), y), or one tensor of "
+                              "a structured output as it is (criterion(model(x)['logits'], y))")
         self.passes[-1].batch()  # its misuse, if any, named now
         return self.passes[-1]
 
@@ -109,4 +116,47 @@ class Recorder:
         return runs
 
 
-__all__ = ["GuardMisuse", "MAX_PASSES", "RecordedPass", "Recorder"]
+#: How deep ``output_path`` looks into a model's structured output (a tuple of a dict, …) for the criterion's input.
+OUTPUT_DEPTH = 3
+
+
+def output_path(output: Any, prediction: Any, depth: int = OUTPUT_DEPTH) -> tuple | None:
+    """The keys and indices that lead from a model's ``output`` to the very tensor ``prediction`` (``()`` where it is
+    the output itself), through tuples, lists (named tuples: torchvision's GoogLeNet) and mappings (dicts, Hugging
+    Face's ``ModelOutput``); None where it is not in it."""
+    if prediction is output:
+        return ()
+    if depth == 0 or isinstance(output, torch.Tensor):
+        return None
+    items = (output.items() if isinstance(output, Mapping) else
+             enumerate(output) if isinstance(output, (tuple, list)) else ())
+    for key, value in items:
+        inner = output_path(value, prediction, depth - 1)
+        if inner is not None:
+            return (key, *inner)
+    return None
+
+
+def select(output: Any, path: tuple) -> Any:
+    """The part of ``output`` at ``path`` (``output_path``'s)."""
+    for key in path:
+        output = output[key]
+    return output
+
+
+class SelectedOutput(nn.Module):
+    """``model`` whose output is the part at ``path`` of its own (where the user's criterion took its prediction): the
+    model the guard measures for a model with a structured output. The same parameters, in the same order; a
+    ``torch.compile``'d model runs as its original module (``flguard.risk.functional.uncompiled``)."""
+
+    def __init__(self, model: nn.Module, path: tuple) -> None:
+        super().__init__()
+        self.model = uncompiled(model)
+        self.path = path
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return select(self.model(x), self.path)
+
+
+__all__ = ["GuardMisuse", "MAX_PASSES", "RecordedPass", "Recorder", "SelectedOutput", "output_path", "select",
+           "OUTPUT_DEPTH"]

@@ -48,22 +48,16 @@ from torch import nn
 
 from flguard.guard import Guard, GuardFailure
 from flguard.guard.config import GuardConfig
+from flguard.guard.gradient_match import GRADIENT_MATCH_RTOL, refuse_gradient, same_gradient
 from flguard.guard.held_parameters import (check_held, clear_unmeasured, held_parameters, measuring_only,
                                           require_own)
 from flguard.guard.model_check import STRUCTURAL, UnsupportedModel, require_supported
-from flguard.guard.recorder import GuardMisuse, RecordedPass, Recorder
+from flguard.guard.recorder import GuardMisuse, RecordedPass, Recorder, SelectedOutput, select
 from flguard.guard.report import GuardReport
 from flguard.guard.session import active_session
 from flguard.guard.trial_step import momentum_gain, trial_displacement
-from flguard.risk.precision import AutocastState, autocast_as, gradient_rtol
+from flguard.risk.precision import AutocastState, autocast_as
 
-#: ‖.grad − ∇θ criterion(model(x), y)‖ ≤ this × ‖∇θ …‖ (+ a tiny absolute slack) counts as "the same
-#: loss": the recomputation runs the same operations on the same data, so only float reordering differs
-#: (for a float32 gradient on a CUDA device, TF32 and cuDNN's choice of algorithm: ``gradient_rtol``).
-GRADIENT_MATCH_RTOL = 1e-4
-#: .grad = s × ∇θ … to this relative residual, s ≠ 1 by more than it: a gradient rescaled after ``backward`` (a
-#: global norm clipping, or a GradScaler's scale left in), which the refusal then names.
-RESCALED_RTOL = 1e-3
 #: ``make_guarded`` warns about an Adam-family optimizer above this learning rate: under the guard's noise each of its
 #: steps moves every weight by about lr whatever the gradient's scale. Measured on Flower's PyTorch template (a fresh
 #: Adam at lr 0.01 each round), trained from scratch: 26.6–28.0% guarded against 51.8% unguarded; at lr 1e-3 50.4%
@@ -187,19 +181,21 @@ class GuardedOptimizer(torch.optim.Optimizer):
         sent = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
         run, as_recorded = self._run_in_grad(params, sent)
         if run is None:  # as_recorded: the last pass's own gradient
-            _refuse_gradient(sent, as_recorded, last.autocast, self._recorder.count)
+            refuse_gradient(sent, as_recorded, last.autocast, self._recorder.count)
         x, y = (torch.cat(parts) for parts in zip(*(recorded.batch() for recorded in run)))
-        loss_fn = self._criterion if len(run) == 1 else self._accumulated_loss(run, x, y)
+        path = _one_path(run)
+        loss_fn = self._criterion if len(run) == 1 else self._accumulated_loss(run, x, y, path)
         # the guard measures and sends float32: a mixed-precision pass is recomputed without autocast
         reference = (as_recorded if not any(recorded.autocast for recorded in run) else
-                     sum(self._recompute(params, *recorded.batch(), ()) for recorded in run))
+                     sum(self._recompute(params, *recorded.batch(), (), path) for recorded in run))
+        measured = self._model if not path else SelectedOutput(self._model, path)  # a structured output's part
         self._recorder.paused = True
         try:
             step_size = self._sgd_step_size()
             # other optimizers: their own next step, measured on a copy (``auto`` judges the noise's damage to it)
             step_rule = (trial_displacement(self.original_optimizer, params)
                          if step_size is None and guard.config.clip_per_sample == "auto" else None)
-            out = guard.protect(self._model, x, y, reference, loss_fn=loss_fn, step_size=step_size,
+            out = guard.protect(measured, x, y, reference, loss_fn=loss_fn, step_size=step_size,
                                 step_rule=step_rule)
         finally:
             self._recorder.paused = False
@@ -224,14 +220,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
         last: torch.Tensor | None = None
         for run in self._recorder.runs():
             first = run[0]
-            part = self._recompute(params, *first.batch(), first.autocast)
+            part = self._recompute(params, *first.batch(), first.autocast, first.path)
             total, last = (part, part) if total is None else (total + part, last)
-            if _same_gradient(sent, total, tuple(a for recorded in run for a in recorded.autocast)):
+            if same_gradient(sent, total, tuple(a for recorded in run for a in recorded.autocast)):
                 return run, total
         assert last is not None  # runs() starts with the last pass, which ``Recorder.last`` checked
         return None, last
 
-    def _accumulated_loss(self, run: list[RecordedPass], x: torch.Tensor, y: torch.Tensor) -> Callable:
+    def _accumulated_loss(self, run: list[RecordedPass], x: torch.Tensor, y: torch.Tensor, path: tuple) -> Callable:
         """The loss of the micro-batches of ``run`` as one batch (x, y): their summed losses, which for equal
         micro-batches of a mean loss is k × the criterion on all of them (of a sum, the criterion), checked on
         the model's outputs; ``GuardMisuse`` where no such loss exists."""
@@ -248,7 +244,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._recorder.paused = True
         try:
             with torch.no_grad(), autocast_as(()):  # the loss the guard measures, in float32
-                whole = self._model(x)
+                whole = select(self._model(x), path)
                 parts = [criterion(chunk, target) for chunk, target in zip(whole.split(sizes), y.split(sizes))]
                 gap, total = abs(float(accumulated(whole, y)) - float(sum(parts))), abs(float(sum(parts)))
         finally:
@@ -282,14 +278,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return session.guard
 
     def _recompute(self, params: list[nn.Parameter], x: torch.Tensor, y: torch.Tensor,
-                   autocast: AutocastState) -> torch.Tensor:
-        """∇θ criterion(model(x), y) with ``autocast`` as given (``()``: float32), leaving buffers (BatchNorm running
-        statistics) as they were."""
+                   autocast: AutocastState, path: tuple = ()) -> torch.Tensor:
+        """∇θ criterion(the part at ``path`` of model(x), y) with ``autocast`` as given (``()``: float32), leaving
+        buffers (BatchNorm running statistics) as they were."""
         buffers = {name: b.detach().clone() for name, b in self._model.named_buffers()}
         self._recorder.paused = True
         try:
             with torch.enable_grad(), autocast_as(autocast):
-                loss = self._criterion(self._model(x), y)
+                loss = self._criterion(select(self._model(x), path), y)
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
         finally:
             self._recorder.paused = False
@@ -300,38 +296,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
                           for g, p in zip(grads, params)])
 
 
-def _same_gradient(sent: torch.Tensor, reference: torch.Tensor, autocast: AutocastState) -> bool:
-    """Whether .grad (``sent``) is ``reference`` to what recomputing it allows (``GRADIENT_MATCH_RTOL``)."""
-    gap, scale = float((sent - reference).norm()), float(reference.norm())
-    slack = 1e-12 * max(reference.numel(), 1) ** 0.5
-    return gap <= gradient_rtol(reference, GRADIENT_MATCH_RTOL, autocast) * scale + slack
-
-
-def _refuse_gradient(sent: torch.Tensor, reference: torch.Tensor, autocast: AutocastState, passes: int) -> None:
-    """``GuardMisuse`` for a .grad (``sent``) that no run of recorded passes explains, naming the likely cause against
-    the last pass's gradient ``reference``: passes that do not add up, a gradient rescaled after backward, or another
-    loss."""
-    gap, scale = float((sent - reference).norm()), float(reference.norm())
-    found = f"‖difference‖ = {gap:.3g}, ‖gradient‖ = {scale:.3g}"
-    if passes > 1:
-        raise GuardMisuse(f"{passes} forward passes of the guarded model since the last optimizer.step(), and .grad is "
-                          f"neither the last one's gradient ({found}) nor the sum of the latest ones': an extra "
-                          "forward pass with gradients on between accumulated batches, or a loss the guard cannot "
-                          "see — evaluate under torch.no_grad()")
-    factor = float(sent @ reference) / max(scale ** 2, 1e-300)
-    off_line = float((sent - factor * reference).norm())
-    if abs(factor - 1.0) > RESCALED_RTOL and off_line <= RESCALED_RTOL * abs(factor) * scale:
-        cause = ("a global norm clipping (torch.nn.utils.clip_grad_norm_): the guard clips each sample's gradient "
-                 "itself (GuardConfig.clip_per_sample) — remove it from the guarded loop" if factor < 1 else
-                 "a GradScaler's scale still in it: call scaler.update() after every scaler.step(optimizer), also "
-                 "when the step raised GuardFailure")
-        raise GuardMisuse(f".grad is {factor:.4g} × the gradient of criterion(model(x), y) on the recorded batch: "
-                          f"{cause}")
-    raise GuardMisuse(f".grad differs from the gradient of criterion(model(x), y) on the recorded batch ({found}): a "
-                      "loss with terms the guard cannot see, gradients accumulated over several batches (a missing "
-                      "optimizer.zero_grad()), a gradient changed after backward (clip_grad_value_), or randomness "
-                      "in the forward pass that flguard.check_model cannot list (a functional dropout); the guard "
-                      "must measure the exact loss that is sent")
+def _one_path(run: list[RecordedPass]) -> tuple:
+    """The place in the model's output of the passes' criterion calls: one for all (``GuardMisuse`` otherwise)."""
+    paths = {recorded.path for recorded in run}
+    if len(paths) != 1:
+        raise GuardMisuse(f"{len(run)} micro-batches accumulated in .grad whose losses took different parts of the "
+                          f"model's output {sorted(paths, key=str)}: the guard measures one part")
+    return paths.pop()
 
 
 def _warn_adaptive_lr(optimizer: torch.optim.Optimizer) -> None:

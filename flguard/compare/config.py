@@ -46,6 +46,9 @@ class TaskSection(StrictModel):
                                                       "client's partition)")
     pretrain_epochs: int = Field(0, ge=0, description="epochs the server pre-trains the initial model on its public "
                                                       "data (a warm start: FL from a model that has learned)")
+    train_layers: Literal["all", "head"] = Field("all", description="'head': fine-tuning — the backbone pre-trained "
+                                                 "on the public data is frozen (its BatchNorms as trained) and the "
+                                                 "federation trains a fresh last linear layer")
 
     @field_validator("model")
     @classmethod
@@ -227,6 +230,7 @@ class CompareConfig(StrictModel):
             "alpha": task.alpha, "test-fraction": task.test_fraction, "lr": task.lr,
             "local-steps": task.local_steps, "batch-size": task.batch_size, "min-nodes": task.clients,
             "public-examples": task.public_examples, "pretrain-epochs": task.pretrain_epochs,
+            "train-layers": task.train_layers,
             "round-timeout": self.round_timeout, "malicious": True,
             "attack-method": ",".join(attack.methods), "attack-iterations": ",".join(map(str, attack.counts)),
             "attack-restarts": attack.restarts, "attack-labels": attack.labels,

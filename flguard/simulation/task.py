@@ -82,6 +82,7 @@ class TaskSettings:
     batch_size: int = 4
     public_examples: int = 0  # >0: this many examples are the server's public data, in no client's partition
     pretrain_epochs: int = 0  # >0: the initial global model is trained on the public data first (warm start)
+    train_layers: str = "all"  # "head": fine-tuning — only the last linear layer trains (``fine_tuned``)
 
     @classmethod
     def from_config(cls, *configs: Mapping[str, Any] | None) -> "TaskSettings":
@@ -144,8 +145,17 @@ def input_shape(settings: TaskSettings) -> tuple[int, int, int]:
     return load_dataset(settings.dataset).shape
 
 
+#: ``TaskSettings.train_layers``: every parameter trains, or the last linear layer alone (``fine_tuned``).
+TRAIN_LAYERS = ("all", "head")
+
+
 def make_model(settings: TaskSettings) -> nn.Module:
-    """The task's model; seeded so that the server's initial model is reproducible."""
+    """The task's model as the federation trains it (``fine_tuned``); seeded so that the server's initial model is
+    reproducible."""
+    return fine_tuned(_created(settings), settings)
+
+
+def _created(settings: TaskSettings) -> nn.Module:
     dataset = load_dataset(settings.dataset)
     channels, size, _ = dataset.shape
     with torch.random.fork_rng():
@@ -154,14 +164,41 @@ def make_model(settings: TaskSettings) -> nn.Module:
                       image_size=size, init=settings.init)
 
 
+def fine_tuned(model: nn.Module, settings: TaskSettings, fresh_head: bool = False) -> nn.Module:
+    """``model`` as the federation trains it. ``train_layers="all"``: as it is. ``"head"`` (fine-tuning a backbone
+    pre-trained on the server's public examples): every BatchNorm kept as it was trained
+    (``flguard.fix_model(model, batchnorm="frozen")``: per sample, so the guard takes it), every parameter frozen but
+    the last linear layer's, which ``fresh_head`` re-initialises (seeded): a new head on the pretrained features."""
+    if settings.train_layers not in TRAIN_LAYERS:
+        raise ValueError(f"train-layers={settings.train_layers!r} must be one of {TRAIN_LAYERS}")
+    if settings.train_layers == "all":
+        return model
+    from flguard.guard import fix_model
+
+    model = fix_model(model, batchnorm="frozen")
+    linear = [module for module in model.modules() if isinstance(module, nn.Linear)]
+    if not linear:
+        raise ValueError(f"train-layers='head': the model {settings.model!r} has no linear layer to train")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for param in linear[-1].parameters():
+        param.requires_grad_(True)
+    if fresh_head:
+        with torch.random.fork_rng():
+            torch.manual_seed(settings.seed + 1)
+            linear[-1].reset_parameters()
+    return model
+
+
 def initial_model(settings: TaskSettings) -> nn.Module:
     """The server's initial global model: ``make_model``, warm-started on the public examples when
     ``public_examples`` and ``pretrain_epochs`` are set (Adam, lr 1e-3, batches of 32, seeded) —
     FL from a model pre-trained on public data, so the federated rounds start where the model has
-    learned. No client data is used."""
-    model = make_model(settings)
+    learned. No client data is used. With ``train_layers="head"`` the whole model is pre-trained (its BatchNorms in
+    train mode), then ``fine_tuned`` with a fresh head: the federation trains a new head on the pretrained backbone."""
+    model = _created(settings)
     if settings.public_examples <= 0 or settings.pretrain_epochs <= 0:
-        return model
+        return fine_tuned(model, settings, fresh_head=True)
     data = load_dataset(settings.dataset).subset(public_indices(settings.dataset, settings.public_examples,
                                                                 settings.seed))
     generator = torch.Generator().manual_seed(settings.seed)
@@ -172,7 +209,7 @@ def initial_model(settings: TaskSettings) -> nn.Module:
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(data.normalize(data.images[index])), data.labels[index]).backward()
             optimizer.step()
-    return model
+    return fine_tuned(model, settings, fresh_head=True)
 
 
 def to_arrays(model: nn.Module) -> ArrayRecord:

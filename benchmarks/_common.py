@@ -10,6 +10,16 @@ from flguard.data import load
 from flguard.models import create
 
 
+def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Percent of ``x`` (batches of 250, eval mode, no gradients) that ``model`` labels ``y``; its mode restored."""
+    mode = model.training
+    model.eval()
+    with torch.no_grad():
+        correct = sum(int(model(b).argmax(1).eq(t).sum()) for b, t in zip(x.split(250), y.split(250)))
+    model.train(mode)
+    return 100.0 * correct / len(y)
+
+
 def model_and_batch(model_name: str, dataset: str, batch: int, *, init: str = "uniform", seed: int = 0,
                     device: str = "cpu", offset: int = 0):
     """(model, x, y, dataset) with x normalised for the model, on ``device``."""

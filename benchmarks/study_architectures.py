@@ -33,7 +33,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from _common import guard_settings
+from _common import accuracy, guard_settings
 
 
 def _builders() -> dict:
@@ -122,13 +122,9 @@ def _listed_to_eval(model: nn.Module) -> None:
 
 
 def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    mode = model.training
-    model.eval()
-    with torch.no_grad():
-        correct = sum(int(model(b).argmax(1).eq(t).sum()) for b, t in zip(x.split(250), y.split(250)))
-    model.train(mode)
-    _listed_to_eval(model)
-    return 100.0 * correct / len(y)
+    held_out = accuracy(model, x, y)
+    _listed_to_eval(model)  # (the mode restored turned them back on)
+    return held_out
 
 
 def _log_step(number: int, report, model: nn.Module | None, x: torch.Tensor, y: torch.Tensor) -> None:

@@ -35,6 +35,8 @@ from torch import nn
 import flguard
 from flguard.data import load
 
+from _common import accuracy
+
 SOURCE, TARGET = range(0, 5), range(5, 10)
 
 
@@ -59,7 +61,7 @@ def main() -> None:
         adam.zero_grad()
         nn.functional.cross_entropy(pretrained(x_all[idx]), y_all[idx]).backward()
         adam.step()
-    print(f"pretrained {args.pretrain_steps} steps: {_accuracy(pretrained, x_all[source[1]], y_all[source[1]]):.1f}% "
+    print(f"pretrained {args.pretrain_steps} steps: {accuracy(pretrained, x_all[source[1]], y_all[source[1]]):.1f}% "
           f"on held-out source photos (eval mode)")
     torch.manual_seed(1)
     head = nn.Linear(pretrained.fc.in_features, len(TARGET))
@@ -85,7 +87,7 @@ def main() -> None:
                 p.requires_grad_(name.startswith("fc."))
             optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
             reports, seconds = _fine_tune(model, optimizer, guarded, data, x_all, labels, batches)
-            accuracy = _accuracy(model, *test)
+            accuracy = accuracy(model, *test)
             if not guarded:
                 plain = statistics.median(seconds)
                 print(f"| {fix} | no | {accuracy:.1f}% | — | {plain:.3f} | — |", flush=True)
@@ -99,7 +101,7 @@ def main() -> None:
         reports, seconds = _fine_tune(model, torch.optim.SGD(model.parameters(), lr=args.lr), True, data, x_all,
                                       labels, batches[:args.full_steps])
         step = statistics.median(seconds)
-        print(f"| frozen, every parameter trained | yes | {_accuracy(model, *test):.1f}% | "
+        print(f"| frozen, every parameter trained | yes | {accuracy(model, *test):.1f}% | "
               f"{sum(r.met for r in reports)} / {len(reports)} | {step:.2f} (—; {step / full_step:.1f}×) | "
               f"{statistics.median(r.matvecs for r in reports):.1f} |", flush=True)
     print(f"(a full training step of the model at B = {args.batch}: {full_step:.3f} s)")
@@ -149,15 +151,6 @@ def _full_step_seconds(model, x_all, labels, batches) -> float:
         optimizer.step()
         seconds.append(time.perf_counter() - start)
     return statistics.median(seconds)
-
-
-def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    mode = model.training
-    model.eval()
-    with torch.no_grad():
-        correct = sum(int(model(b).argmax(1).eq(t).sum()) for b, t in zip(x.split(250), y.split(250)))
-    model.train(mode)
-    return 100.0 * correct / len(y)
 
 
 if __name__ == "__main__":

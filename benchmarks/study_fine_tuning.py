@@ -87,14 +87,14 @@ def main() -> None:
                 p.requires_grad_(name.startswith("fc."))
             optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
             reports, seconds = _fine_tune(model, optimizer, guarded, data, x_all, labels, batches)
-            accuracy = accuracy(model, *test)
+            held_out = accuracy(model, *test)
             if not guarded:
                 plain = statistics.median(seconds)
-                print(f"| {fix} | no | {accuracy:.1f}% | — | {plain:.3f} | — |", flush=True)
+                print(f"| {fix} | no | {held_out:.1f}% | — | {plain:.3f} | — |", flush=True)
                 continue
             step = statistics.median(seconds)
             sent = sum(r.met for r in reports)
-            print(f"| {fix} | yes | {accuracy:.1f}% | {sent} / {len(batches)} | {step:.2f} ({step / plain:.0f}×; "
+            print(f"| {fix} | yes | {held_out:.1f}% | {sent} / {len(batches)} | {step:.2f} ({step / plain:.0f}×; "
                   f"{step / full_step:.1f}×) | {statistics.median(r.matvecs for r in reports):.1f} |", flush=True)
     if args.full_steps:
         model = _with_head(flguard.fix_model(pretrained, batchnorm="frozen"), head)

@@ -82,3 +82,22 @@ def test_output_path_finds_the_very_tensor_and_nothing_equal_to_it():
     assert output_path({"a": [1, (logits,)]}, logits) == ("a", 1, 0)
     assert output_path({"a": logits.clone()}, logits) is None  # equal values, another tensor
     assert output_path(logits, logits) == ()
+
+
+def test_guard_protect_names_selected_output_for_a_structured_model_and_measures_it_wrapped():
+    """Guard.protect (guard_step's engine) on a dict-output model withholds naming SelectedOutput, instead of an
+    AttributeError; wrapped in SelectedOutput it protects as the plain model does, bit for bit."""
+    from flguard import Guard
+    from flguard.guard.recorder import SelectedOutput
+
+    base = _resnet()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.rand(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
+    gradient = torch.cat([t.reshape(-1) for t in torch.autograd.grad(
+        nn.functional.cross_entropy(base(x), y), list(base.parameters()))])
+    structured = Structured(base, "dict")
+    refused = Guard(GuardConfig(seed=0)).protect(structured, x, y, gradient)
+    assert refused.gradient is None and "SelectedOutput" in refused.report.reason
+    wrapped = Guard(GuardConfig(seed=0)).protect(SelectedOutput(structured, ("logits",)), x, y, gradient)
+    plain = Guard(GuardConfig(seed=0)).protect(base, x, y, gradient)
+    assert plain.report.met and torch.equal(wrapped.gradient, plain.gradient)

@@ -132,6 +132,11 @@ class JacobianOperator(DirectProducts):
         self._cached_transpose: Callable | None = None
         with torch.no_grad(), batchnorm_without_running_stats(model):
             logits = self._forward(self.params, self.x)
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(f"the model returns a {type(logits).__name__}, not one tensor: the guard measures the part "
+                            "of the output the loss takes — wrap the model as flguard.guard.recorder.SelectedOutput("
+                            "model, ('logits',)) (the keys or indices to that tensor), or guard the loop with "
+                            "make_guarded, which finds it")
         split = None if has_batch_coupling(model) else split_loss(self.loss_fn, logits, self.y)
         self.coupled = (split is None) if coupled is None else coupled
         if not self.coupled and split is None:

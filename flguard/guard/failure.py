@@ -16,9 +16,25 @@ class GuardFailure(RuntimeError):
     """Measuring or perturbing failed; the message is the reply's reason."""
 
 
+#: Failures whose cause the guard can name from a piece of PyTorch's message: (piece, the cause and its fix).
+KNOWN_CAUSES = (
+    ("saved tensor hooks", "gradient checkpointing (torch.utils.checkpoint) in the model's forward pass: the guard "
+                           "differentiates it inside torch.func's transforms, which cannot run it — guard the model "
+                           "without checkpointing (the guard bounds its own passes' memory)"),
+    ("use_reentrant=True", "gradient checkpointing with use_reentrant=True in the model's forward pass: the guard "
+                           "recomputes the loss's gradient with torch.autograd.grad, which it refuses — guard the "
+                           "model without checkpointing"),
+)
+
+
 def failure_reason(error: Exception) -> str:
-    """A failure as the reply's reason: a GuardFailure's message, anything else with its type."""
-    return str(error) if isinstance(error, GuardFailure) else f"{type(error).__name__}: {error}"
+    """A failure as the reply's reason: a GuardFailure's message, anything else with its type — led by its cause
+    where ``KNOWN_CAUSES`` names it."""
+    if isinstance(error, GuardFailure):
+        return str(error)
+    message = f"{type(error).__name__}: {error}"
+    cause = next((cause for piece, cause in KNOWN_CAUSES if piece in message), None)
+    return message if cause is None else f"{cause} ({message})"
 
 
 #: The reason's prefix when the parameters the server sent leave nothing to certify (denial of service).

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from flguard.guard import Guard, GuardFailure
+from flguard.guard.failure import failure_reason
 from flguard.guard.config import GuardConfig
 from flguard.guard.gradient_match import GRADIENT_MATCH_RTOL, refuse_gradient, same_gradient
 from flguard.guard.held_parameters import (check_held, clear_unmeasured, held_parameters, measuring_only,
@@ -163,10 +164,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
                                   "(requires_grad): there is no update to guard")
             with measuring_only(idle):  # the certificate is on what this optimizer applies, and nothing else
                 guarded = self._guarded_gradient(params)
-        except GuardFailure:
-            for p in params:  # never leave the unguarded gradient where a later step could apply it
+        except Exception as error:  # never leave the unguarded gradient where a later step could apply it
+            for p in params:
                 p.grad = None
-            raise
+            if isinstance(error, GuardFailure):
+                raise
+            raise GuardMisuse(f"optimizer.step() could not measure the step: {failure_reason(error)}") from error
         finally:
             self._recorder.clear()
             clear_unmeasured(self.original_optimizer, params, idle)

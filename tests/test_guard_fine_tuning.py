@@ -5,6 +5,8 @@ the backbone frozen."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -179,3 +181,14 @@ def test_a_layer_unfrozen_and_added_later_is_guarded_as_if_held_from_the_start()
     tensor outside the model is refused by add_param_group."""
     start, later = _unfrozen_step(False), _unfrozen_step(True)
     assert all(torch.equal(a, b) for a, b in zip(start, later))
+
+
+def test_freezing_a_batchnorm_that_has_seen_no_batch_warns_to_use_groupnorm():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    with pytest.warns(UserWarning, match=r"1 BatchNorm\(s\) have seen no batch \(1\).*batchnorm='groupnorm'"):
+        fix_model(model, batchnorm="frozen")
+    model.train()
+    model(torch.randn(2, 3, 5, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fix_model(model, batchnorm="frozen")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -168,6 +169,8 @@ def fix_model(model: nn.Module, batchnorm: str = "groupnorm") -> nn.Module:
         frozen = FrozenBatchNorm.from_batchnorm(module, name)
         return frozen.to(device=module.running_mean.device).train(module.training)
 
+    if batchnorm == "frozen":
+        _warn_untrained(model)
     if isinstance(model, nn.modules.batchnorm._BatchNorm):
         return replaced(model, "")
     fixed = copy.deepcopy(model)
@@ -176,6 +179,18 @@ def fix_model(model: nn.Module, batchnorm: str = "groupnorm") -> nn.Module:
             if isinstance(child, nn.modules.batchnorm._BatchNorm):
                 setattr(parent, child_name, replaced(child, f"{parent_name}.{child_name}".lstrip(".")))
     return fixed
+
+
+def _warn_untrained(model: nn.Module) -> None:
+    """One warning naming the BatchNorms that have seen no batch: frozen, their statistics are the initial 0 and 1."""
+    untrained = [name or "<model>" for name, module in model.named_modules()
+                 if isinstance(module, nn.modules.batchnorm._BatchNorm)
+                 and getattr(module, "num_batches_tracked", None) is not None and int(module.num_batches_tracked) == 0]
+    if untrained:
+        warnings.warn(f"fix_model(batchnorm='frozen'): {len(untrained)} BatchNorm(s) have seen no batch "
+                      f"({', '.join(untrained[:3])}{', …' if len(untrained) > 3 else ''}): their frozen statistics are "
+                      "the initial 0 and 1 — for a model trained from scratch use batchnorm='groupnorm'",
+                      UserWarning, stacklevel=3)
 
 
 __all__ = ["check_model", "fix_model", "model_problems", "require_supported", "UnsupportedModel", "MAX_GROUPS",

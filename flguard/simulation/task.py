@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -175,7 +176,9 @@ def fine_tuned(model: nn.Module, settings: TaskSettings, fresh_head: bool = Fals
         return model
     from flguard.guard import fix_model
 
-    model = fix_model(model, batchnorm="frozen")
+    with warnings.catch_warnings():  # (a client's model before its arrays are loaded has seen no batch: no warning)
+        warnings.simplefilter("ignore" if not fresh_head else "default", UserWarning)
+        model = fix_model(model, batchnorm="frozen")
     linear = [module for module in model.modules() if isinstance(module, nn.Linear)]
     if not linear:
         raise ValueError(f"train-layers='head': the model {settings.model!r} has no linear layer to train")

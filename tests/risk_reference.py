@@ -131,8 +131,8 @@ def resnet8_gn_batch() -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Ten
 def clipped_upload_jacobians(model, x, y, clip, clipped):
     """Dense J̄_i [dx, dθ] (θ: the trainable parameters) of sample i's clipped term (1/B)·clip_C(∇θℓ(x_i)), C fixed:
     forward-mode columns (one per input coordinate) of the plain per-sample gradient map, written independently.
-    ``clipped`` (one bool per sample) fixes each sample's branch as the guard decides it (clipped iff ‖g_i‖ > C): at a median
-    clip level one sample's norm is C itself, and ``clamp(C/‖g‖, max=1)`` would pick its branch by the last bit of
+    ``clipped`` (one bool per sample) fixes each sample's branch as the guard decides it (clipped iff ‖g_i‖ > C): at a
+    median clip level one sample's norm is C itself, and ``clamp(C/‖g‖, max=1)`` would pick its branch by the last bit of
     the norm recomputed here (PyTorch 2.11 and 2.14 picked differently)."""
     from torch.func import functional_call, grad, jacfwd
 

@@ -19,7 +19,7 @@ SGD steps (``--lr``, batches of ``--batch``: epochs over its 1,250 training crop
 Printed per arm: held-out accuracy on the downstream photos (the last 250 crops of each), steps sent, seconds per
 guarded step against the unguarded frozen-backbone step and against a full training step of the model (all
 parameters, the same batch size), products per sample. ``--full-steps N`` adds N guarded steps of full fine-tuning
-(every parameter trainable, frozen BatchNorm) with their cost.
+(every parameter trainable, frozen BatchNorm; ``--also-train layer4``: the head and layer4 only) with their cost.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.03)
     parser.add_argument("--full-steps", type=int, default=0)
+    parser.add_argument("--also-train", default="", help="the --full-steps arm trains the head and the modules with "
+                        "these comma-separated name prefixes (e.g. layer4) instead of every parameter")
     args = parser.parse_args()
     import torchvision
 
@@ -98,10 +100,15 @@ def main() -> None:
                   f"{step / full_step:.1f}×) | {statistics.median(r.matvecs for r in reports):.1f} |", flush=True)
     if args.full_steps:
         model = _with_head(flguard.fix_model(pretrained, batchnorm="frozen"), head)
+        prefixes = tuple(f"{name}." for name in args.also_train.split(",") if name)
+        for name, p in model.named_parameters():
+            p.requires_grad_(not prefixes or name.startswith(("fc.", *prefixes)))
+        trained = (f"fc and {args.also_train} trained ({sum(p.numel() for p in model.parameters() if p.requires_grad):,}"
+                   " parameters)" if prefixes else "every parameter trained")
         reports, seconds = _fine_tune(model, torch.optim.SGD(model.parameters(), lr=args.lr), True, data, x_all,
                                       labels, batches[:args.full_steps])
         step = statistics.median(seconds)
-        print(f"| frozen, every parameter trained | yes | {accuracy(model, *test):.1f}% | "
+        print(f"| frozen, {trained} | yes | {accuracy(model, *test):.1f}% | "
               f"{sum(r.met for r in reports)} / {len(reports)} | {step:.2f} (—; {step / full_step:.1f}×) | "
               f"{statistics.median(r.matvecs for r in reports):.1f} |", flush=True)
     print(f"(a full training step of the model at B = {args.batch}: {full_step:.3f} s)")

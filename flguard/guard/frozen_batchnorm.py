@@ -8,7 +8,7 @@ an affine map per channel of each sample alone —
     y = (x − μ)·γ/√(σ² + ε) + β,      μ, σ² the running statistics (buffers), γ, β the affine weights,
 
 per sample and deterministic, so the guard certifies it like any other layer; no batch statistics couple the
-samples and no running statistics are updated from the batch (they stay as they were, unsent changes none). γ and β
+samples, and no running statistics are updated from the batch (nothing the guard did not measure is sent). γ and β
 keep their ``requires_grad``: train them, or freeze them with the rest of a backbone. A BatchNorm without running
 statistics (``track_running_stats=False``) has none to freeze: ``fix_model`` refuses it by name.
 """

@@ -176,8 +176,9 @@ def fine_tuned(model: nn.Module, settings: TaskSettings, fresh_head: bool = Fals
         return model
     from flguard.guard import fix_model
 
-    with warnings.catch_warnings():  # (a client's model before its arrays are loaded has seen no batch: no warning)
-        warnings.simplefilter("ignore" if not fresh_head else "default", UserWarning)
+    with warnings.catch_warnings():
+        if not fresh_head:  # a client's model before its arrays are loaded has seen no batch: no warning
+            warnings.simplefilter("ignore", UserWarning)
         model = fix_model(model, batchnorm="frozen")
     linear = [module for module in model.modules() if isinstance(module, nn.Linear)]
     if not linear:

@@ -192,3 +192,23 @@ def test_freezing_a_batchnorm_that_has_seen_no_batch_warns_to_use_groupnorm():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fix_model(model, batchnorm="frozen")
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's kind of BatchNorm: normalisation and an activation in one module."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(super().forward(x))
+
+
+@pytest.mark.parametrize("batchnorm", ["groupnorm", "frozen"])
+def test_fix_model_refuses_a_batchnorm_subclass_with_a_forward_of_its_own(batchnorm):
+    """Replaced by a normalisation alone, its activation would vanish: refused by name instead."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), BatchNormAct2d(4))
+    model.train()
+    model(torch.randn(2, 3, 5, 5))
+    with pytest.raises(ValueError, match=r"1 \(BatchNormAct2d\) is a BatchNorm with a forward pass of its own"):
+        fix_model(model, batchnorm=batchnorm)
+    plain = nn.Sequential(nn.BatchNorm1d(3))
+    plain(torch.randn(4, 3))
+    assert not isinstance(fix_model(plain, batchnorm=batchnorm)[0], nn.BatchNorm1d)  # a plain one is replaced

@@ -164,6 +164,7 @@ def fix_model(model: nn.Module, batchnorm: str = "groupnorm") -> nn.Module:
         raise ValueError(f"fix_model: batchnorm={batchnorm!r} must be one of {BATCHNORM_FIXES}")
 
     def replaced(module: nn.modules.batchnorm._BatchNorm, name: str) -> nn.Module:
+        _require_plain(module, name)
         if batchnorm == "groupnorm":
             return _group_norm(module)
         frozen = FrozenBatchNorm.from_batchnorm(module, name)
@@ -179,6 +180,22 @@ def fix_model(model: nn.Module, batchnorm: str = "groupnorm") -> nn.Module:
             if isinstance(child, nn.modules.batchnorm._BatchNorm):
                 setattr(parent, child_name, replaced(child, f"{parent_name}.{child_name}".lstrip(".")))
     return fixed
+
+
+#: BatchNorm classes whose forward pass is BatchNorm's alone: ``fix_model`` replaces these and subclasses that keep
+#: ``_BatchNorm.forward`` (BatchNorm1d/2d/3d and their lazy forms).
+PLAIN_BATCHNORMS = (nn.SyncBatchNorm,)
+
+
+def _require_plain(module: nn.modules.batchnorm._BatchNorm, name: str) -> None:
+    """A ValueError for a BatchNorm subclass with a forward pass of its own (timm's ``BatchNormAct2d`` adds an
+    activation): replacing it by a normalisation alone would change the model without a word."""
+    if isinstance(module, PLAIN_BATCHNORMS) or type(module).forward is nn.modules.batchnorm._BatchNorm.forward:
+        return
+    raise ValueError(f"fix_model: {name or '<model>'} ({type(module).__name__}) is a BatchNorm with a forward pass of "
+                     "its own (timm's BatchNormAct2d adds an activation): replacing it by a normalisation alone would "
+                     "change the model; replace it in your code (a GroupNorm, or flguard.guard.FrozenBatchNorm, "
+                     "followed by what its forward adds)")
 
 
 def _warn_untrained(model: nn.Module) -> None:

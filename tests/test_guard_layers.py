@@ -63,13 +63,25 @@ class _MultiheadSelfAttention(nn.Module):
         return self.attention(tokens, tokens, tokens, need_weights=False)[0].transpose(1, 2).reshape(x.shape)
 
 
+def _frozen_batchnorm() -> nn.Module:
+    """A pretrained BatchNorm's eval-mode map, kept in any mode (``fix_model(model, batchnorm="frozen")``)."""
+    from flguard.guard import FrozenBatchNorm
+
+    norm = nn.BatchNorm2d(4)
+    with torch.no_grad():
+        for tensor, low, high in ((norm.running_mean, -0.5, 0.5), (norm.running_var, 0.5, 2.0),
+                                  (norm.weight, 0.5, 1.5), (norm.bias, -0.3, 0.3)):
+            tensor.uniform_(low, high)
+    return FrozenBatchNorm.from_batchnorm(norm)
+
+
 LAYERS = {
     "hardsigmoid": (lambda: nn.Hardsigmoid(), lambda: _Lambda(lambda x: torch.clamp(x / 6 + 0.5, 0, 1))),
     "hardswish": (lambda: nn.Hardswish(), None), "silu": (lambda: nn.SiLU(), None), "gelu": (lambda: nn.GELU(), None),
     "mish": (lambda: nn.Mish(), None), "elu": (lambda: nn.ELU(), None), "prelu": (lambda: nn.PReLU(), None),
     "max_pool": (lambda: nn.MaxPool2d(2), None), "adaptive_avg_pool": (lambda: nn.AdaptiveAvgPool2d(2), None),
     "bilinear_upsample": (lambda: nn.Upsample(scale_factor=2, mode="bilinear"), None),
-    "group_norm": (lambda: nn.GroupNorm(2, 4), None),
+    "group_norm": (lambda: nn.GroupNorm(2, 4), None), "frozen_batchnorm": (_frozen_batchnorm, None),
     "instance_norm": (lambda: nn.InstanceNorm2d(4, affine=True), None),
     "instance_norm_without_affine": (lambda: nn.InstanceNorm2d(4), None),
     "layer_norm": (lambda: nn.LayerNorm([4, 4, 4]), None),

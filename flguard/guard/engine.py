@@ -84,7 +84,7 @@ class Guard:
         batch = int(x.shape[0])
         op: Jacobian | None = None
         self._clip: float | None = None  # this step's clipping norm C, once known (the budget's unit, × _span)
-        self._span = 1.0  # the clipped update's largest norm per unit C (the operator's ``span``, ``flguard.risk.loss_split``)
+        self._span = 1.0  # the clipped update's largest norm per unit C (the operator's ``span``: loss_split)
         clip_share: float | None = None  # the share of the batch whose per-sample norm is at most C
         require_supported(model, "Guard.protect")  # a clear error before any measuring, not a failed step
         try:

@@ -289,8 +289,8 @@ def noise_budget(flat: torch.Tensor, cfg: GuardConfig, clip: float | None, span:
     """The most noise (norm) an update may carry: max_rel_noise × ‖g‖, or with per-sample clipping
     × span·C (``clip``, this step's clipping norm) — the largest norm the clipped update can have
     (DP-SGD's unit: C for a mean loss, B·C for a sum: the operator's ``span``, ``flguard.risk.loss_split``),
-    which unlike ‖g‖ does not shrink as the model converges and the samples' gradients cancel. With clipping but no C yet (a step that failed
-    before measuring), a numeric ``clip_per_sample``, else ‖g‖."""
+    which unlike ‖g‖ does not shrink as the model converges and the samples' gradients cancel. With clipping but no
+    C yet (a step that failed before measuring), a numeric ``clip_per_sample``, else ‖g‖."""
     if clip is None and isinstance(cfg.clip_per_sample, (int, float)):
         clip = float(cfg.clip_per_sample)
     return cfg.max_rel_noise * (clip * span if clip is not None else float(flat.norm()))

@@ -157,7 +157,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
             raise GuardMisuse("optimizer.step(closure) is not supported by the guard (it would re-evaluate the "
                               "loss on its own); use loss.backward(); optimizer.step()")
         params, idle = held_parameters(self._model, self.original_optimizer)
-        clear_unmeasured(self.original_optimizer, params, [])  # a frozen parameter's stale .grad: never applied
         try:
             if not params:
                 raise GuardMisuse("optimizer.step(): the optimizer holds none of the model's trainable parameters "
@@ -172,6 +171,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             raise GuardMisuse(f"optimizer.step() could not measure the step: {failure_reason(error)}") from error
         finally:
             self._recorder.clear()
+            # before the wrapped step: a frozen parameter's stale .grad, and the idle ones', never applied
             clear_unmeasured(self.original_optimizer, params, idle)
         for p, g in zip(params, guarded.split([p.numel() for p in params])):
             p.grad = g.view_as(p).to(p.dtype).clone()

@@ -32,10 +32,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from _common import guard_settings, in_child, study_paths, synchronize, write_table
+from _common import accuracy, guard_settings, in_child, study_paths, synchronize, write_table
 
-DATASETS = {"cnn": "mnist5k", "resnet20_gn": "photos32", "resnet18_gn": "photos32", "resnet8_gn": "photos32"}
-LEARNING_RATE = {"cnn": 0.05, "resnet20_gn": 0.05, "resnet18_gn": 0.05, "resnet8_gn": 0.05}
+DATASETS = {"cnn": "mnist5k", "dropout_cnn": "mnist5k", "resnet20_gn": "photos32", "resnet18_gn": "photos32",
+            "resnet8_gn": "photos32"}
+LEARNING_RATE = {"cnn": 0.05, "dropout_cnn": 0.05, "resnet20_gn": 0.05, "resnet18_gn": 0.05, "resnet8_gn": 0.05}
 
 
 def _task(name: str, train_steps: int, device: str, seed: int = 0):
@@ -104,11 +105,6 @@ def _median_max(values: list[float]) -> str | None:
     return f"{statistics.median(values):.2f}/{max(values):.2f}" if values else None
 
 
-def _accuracy(model, x, y) -> float:
-    with torch.no_grad():
-        return 100.0 * float(torch.cat([model(b).argmax(1) for b in x.split(256)]).eq(y).float().mean())
-
-
 def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, device: str, seed: int,
            settings: dict, products: str = "auto", compile_mode: str | None = None, transposed: str = "default",
            shrink: str = "default") -> dict:
@@ -135,7 +131,7 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
         regularised.COMPILE_MODE = None if compile_mode == "default" else compile_mode
 
     model, (x, y), test, data = _task(name, train_steps, device, seed)
-    before = _accuracy(model, *test)
+    before = accuracy(model, *test)
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE[name] / 5)
     criterion = torch.nn.CrossEntropyLoss()
@@ -175,7 +171,7 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
                 used=" ".join(f"{kind}:{count}" for kind, count in sorted(used.items())),
                 rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                 gpu_gb=torch.cuda.max_memory_allocated(device) / 2**30 if torch.device(device).type == "cuda" else None,
-                acc_before=before, acc_after=_accuracy(model, *test),
+                acc_before=before, acc_after=accuracy(model, *test),
                 params=sum(p.numel() for p in model.parameters()))
 
 

@@ -43,8 +43,8 @@ def main() -> None:
     x, y = torch.randn(args.batch, *shape), torch.randint(0, 10, (args.batch,))
     op = JacobianOperator(model, x, y, products="direct")
 
-    def forward_over_reverse(xi, yi, ui):
-        return jvp(lambda z: op._sample_grad(z, yi), (xi,), (ui.reshape(xi.shape),))[1]
+    def forward_over_reverse(xi, yi, di, ui):
+        return jvp(lambda z: op._sample_grad(z, yi, di), (xi,), (ui.reshape(xi.shape),))[1]
 
     def train():
         model.zero_grad()

@@ -128,37 +128,50 @@ def resnet8_gn_batch() -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Ten
     return model, x, y, per_sample_gradients(model, x, y)
 
 
-def clipped_upload_jacobians(model, x, y, clip, clipped):
+def sample_gradient(model, forward, params, xi, yi, i):
+    """∇θ ℓ(x_i) flat, with ``forward(params, x_i[None], i)`` the model on sample i (None: the model itself)."""
+    from torch.func import functional_call, grad
+
+    run = forward or (lambda ps, inputs, _: functional_call(model, ps, (inputs,)))
+    tree = grad(lambda ps: nn.functional.cross_entropy(run(ps, xi.unsqueeze(0), i), yi.unsqueeze(0)))(params)
+    return torch.cat([t.reshape(-1) for t in tree.values()])
+
+
+def clipped_upload_jacobians(model, x, y, clip, clipped, forward=None):
     """Dense J̄_i [dx, dθ] (θ: the trainable parameters) of sample i's clipped term (1/B)·clip_C(∇θℓ(x_i)), C fixed:
     forward-mode columns (one per input coordinate) of the plain per-sample gradient map, written independently.
     ``clipped`` (one bool per sample) fixes each sample's branch as the guard decides it (clipped iff ‖g_i‖ > C): at a
     median clip level one sample's norm is C itself, and ``clamp(C/‖g‖, max=1)`` would pick its branch by the last bit of
-    the norm recomputed here (PyTorch 2.11 and 2.14 picked differently)."""
-    from torch.func import functional_call, grad, jacfwd
+    the norm recomputed here (PyTorch 2.11 and 2.14 picked differently). ``forward(params, x_i[None], i)``: sample i's
+    own forward pass (a dropout model's, with its masks fixed; None: the model's)."""
+    from torch.func import jacfwd
 
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}  # the others: the model's
 
-    def term(xi, yi, is_clipped):
-        loss = lambda ps: nn.functional.cross_entropy(functional_call(model, ps, (xi.unsqueeze(0),)),  # noqa: E731
-                                                      yi.unsqueeze(0))
-        g = torch.cat([t.reshape(-1) for t in grad(loss)(params).values()])
-        return (g * (clip / g.norm()) if is_clipped else g) / len(x)
+    def term(xi, i):
+        g = sample_gradient(model, forward, params, xi, y[i], i)
+        return (g * (clip / g.norm()) if bool(clipped[i]) else g) / len(x)
 
-    return torch.stack([jacfwd(lambda xi: term(xi, y[i], bool(clipped[i])))(x[i].contiguous()).reshape(
+    return torch.stack([jacfwd(lambda xi: term(xi, i))(x[i].contiguous()).reshape(  # noqa: B023 (called at once)
         -1, x[i].numel()).T for i in range(len(x))])
 
 
-def assert_certified_on_dense_float64(model, x, y, config, report):
+def assert_certified_on_dense_float64(model, x, y, config, report, forward=None):
     """The noise in the model's ``.grad`` (the sent update less the kept samples' clipped gradients at the median
-    clip level) gives every kept sample a dense-recomputed, box-clipped I²F RMSE ≥ τ, and the report agrees."""
+    clip level) gives every kept sample a dense-recomputed, box-clipped I²F RMSE ≥ τ, and the report agrees.
+    ``forward``: as ``clipped_upload_jacobians``' (the per-sample gradients are then recomputed with it too)."""
     sent = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
-    per = JacobianOperator(model, x, y).per_sample_gradients()
+    if forward is None:
+        per = JacobianOperator(model, x, y).per_sample_gradients()
+    else:
+        params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+        per = torch.stack([sample_gradient(model, forward, params, x[i], y[i], i) for i in range(len(x))])
     norms = per.norm(dim=1)
     clip = float(norms.median())
     kept = torch.isfinite(report.rmse_after).cpu()
     factor = torch.clamp(clip / norms, max=1.0)
     noise = sent - (per * factor.unsqueeze(1))[kept].sum(0) / len(x)
-    jac = clipped_upload_jacobians(model, x, y, clip, norms > clip)
+    jac = clipped_upload_jacobians(model, x, y, clip, norms > clip, forward)
     kernel = jac @ jac.transpose(1, 2)
     lam = torch.linalg.eigvalsh(kernel)[:, -1]
     eps = config.eps * lam

@@ -304,8 +304,8 @@ def test_bad_arguments_are_clear_errors():
         assess(model, x, y, metrics=("i2f",))
     with pytest.raises(ValueError, match="delta must be a flat tensor"):
         assess(model, x, y, delta=torch.zeros(3, dtype=x.dtype))
-    dropout = nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(16, 3)).double().train()
-    with pytest.raises(ValueError, match="Dropout"):
+    dropout = nn.Sequential(nn.Flatten(), nn.AlphaDropout(0.5), nn.Linear(16, 3)).double().train()
+    with pytest.raises(ValueError, match="AlphaDropout"):
         assess(dropout, x, y)
 
 

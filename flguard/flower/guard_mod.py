@@ -64,7 +64,8 @@ class GuardDropped(GuardFailure):
 
 
 def guard_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, gradients: Sequence[torch.Tensor],
-               loss_fn=None, step_size: float | None = None, step_rule=None) -> list[torch.Tensor]:
+               loss_fn=None, step_size: float | None = None, step_rule=None,
+               draws: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Guard one local step: per-parameter gradients of the batch ``(x, y)`` → perturbed ones.
 
     The functional path, for hand-written loops (``make_guarded`` is the drop-in for ordinary
@@ -73,13 +74,15 @@ def guard_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, gradients: Se
     Raises ``GuardDropped`` when the guard withholds the update. ``step_size``: the learning rate of a
     plain SGD step ``p -= lr * g`` (``Guard.protect``'s: lets ``auto`` judge how far its noise moves the
     parameters); ``step_rule``: another optimizer's step, ``flguard.guard.trial_step.trial_displacement(optimizer,
-    params)``, whose damage ``clip_per_sample="auto"`` then judges.
+    params)``, whose damage ``clip_per_sample="auto"`` then judges; ``draws``: a model with train-mode dropout's
+    masks in the pass that made ``gradients`` (``Guard.protect``'s).
     """
     session = active_session()
     if session is None:
         return list(gradients)
     flat = torch.cat([g.reshape(-1) for g in gradients])
-    out = session.guard.protect(model, x, y, flat, loss_fn=loss_fn, step_size=step_size, step_rule=step_rule)
+    out = session.guard.protect(model, x, y, flat, loss_fn=loss_fn, step_size=step_size, step_rule=step_rule,
+                                draws=draws)
     session.file(out.report)
     if out.gradient is None:
         raise GuardDropped(out.report)

@@ -16,6 +16,7 @@ What the noise is and how it is scaled to the floor live there and in ``flguard.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -38,6 +39,10 @@ from flguard.risk.sizing import release_freed_memory
 
 __all__ = ["Guard", "GuardFailure", "clip_level"]
 
+UNKNOWN_MASKS = ("the model has train-mode dropout, and the gradient was made with masks the guard does not know: "
+                 "pass the pass's draws (Guard.protect(..., draws=…), flguard.risk.dropout_draws.DropoutDraws), or "
+                 "guard the loop with make_guarded, which records them")
+
 
 class Guard:
     """Applies the configured defense to one batch's flat gradient (see module doc)."""
@@ -58,7 +63,7 @@ class Guard:
 
     def protect(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, gradient: torch.Tensor,
                 loss_fn: LossFn | None = None, step_size: float | None = None,
-                step_rule: Displacement | None = None) -> GuardOutput:
+                step_rule: Displacement | None = None, draws: Sequence[torch.Tensor] | None = None) -> GuardOutput:
         """The gradient to upload for the batch ``(x, y)`` — perturbed to the floor, or None — and its
         report (module doc). ``gradient``: the flat gradient of the trainable parameters; ``loss_fn``: the
         loss it is the gradient of (mean cross-entropy by default). ``step_size``: the learning rate of a
@@ -70,15 +75,21 @@ class Guard:
         then judges what its noise does to that step (``flguard.guard.damage``), from the median level, as it does
         SGD's. Either changes which certified noise is sent, or that none is, never the certificate. The step's freed
         memory goes back to the OS afterwards (``flguard.risk.sizing.release_freed_memory``). Called inside a
-        ``torch.autocast`` block, every pass of the guard still runs in float32 (autocast is off inside)."""
+        ``torch.autocast`` block, every pass of the guard still runs in float32 (autocast is off inside).
+        ``draws``: where the model has train-mode dropout, the multipliers its dropouts drew in the pass that made
+        ``gradient``, in call order (``flguard.risk.dropout_draws``: record them with ``with DropoutDraws() as
+        drawing: loss = criterion(model(x), y)`` and pass ``drawing.finish()``; ``make_guarded`` does): the guard
+        measures and verifies that very map. Without them such a step is withheld: the gradient was made with
+        masks the guard does not know."""
         try:
             with autocast_as(()):
-                return self._protect(model, x, y, gradient, loss_fn, step_size, step_rule)
+                return self._protect(model, x, y, gradient, loss_fn, step_size, step_rule, draws)
         finally:
             release_freed_memory()
 
     def _protect(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, gradient: torch.Tensor,
-                 loss_fn: LossFn | None, step_size: float | None, step_rule: Displacement | None) -> GuardOutput:
+                 loss_fn: LossFn | None, step_size: float | None, step_rule: Displacement | None,
+                 draws: Sequence[torch.Tensor] | None) -> GuardOutput:
         start = time.perf_counter()
         cfg = self.config
         batch = int(x.shape[0])
@@ -89,7 +100,10 @@ class Guard:
         require_supported(model, "Guard.protect")  # a clear error before any measuring, not a failed step
         try:
             flat = _checked_gradient(gradient, model)
-            op = JacobianOperator(model, x, y, loss_fn, limit=ProductLimit(batch, cfg.max_products, cfg.max_seconds))
+            op = JacobianOperator(model, x, y, loss_fn, limit=ProductLimit(batch, cfg.max_products, cfg.max_seconds),
+                                  draws=draws)
+            if op.drew_masks:
+                raise GuardFailure(UNKNOWN_MASKS)
             # only auto (the defense, or the clip level) reads it
             move_scale = _move_scale(model, step_size) if "auto" in (cfg.defense, cfg.clip_per_sample) else None
             with exact_float32(x.device):  # no TF32 in what the certificate rests on (flguard.risk.precision)

@@ -8,12 +8,13 @@ sample i alone only when the forward pass treats samples independently and deter
   and its memory grows with every product on a ResNet), and it updates its running statistics —
   buffers that a Flower client sends with the parameters, unguarded. The fix is the one Opacus
   makes (``ModuleValidator.fix``): GroupNorm with the same channels, per-sample by construction.
-* **train-mode Dropout** multiplies by a random mask: the Jacobian of a random map is not a
-  property of the sample, and the guard's recomputed gradient would not be the one sent. The same
-  holds for every layer that drops at random while training: torchvision's ``StochasticDepth``
-  (in its EfficientNets and ConvNeXts), timm's ``DropPath`` and ``DropBlock2d``, and the attention
-  dropout of ``nn.MultiheadAttention`` — found by their drop probability, so a layer with it at 0
-  passes.
+* **train-mode random drops that are not replayed**: PyTorch's ``nn.Dropout`` and ``nn.Dropout1d/2d/3d`` are
+  guarded as they train — each mask is recorded in the pass that made the gradient and replayed in the guard's
+  (``flguard.risk.dropout_draws``) — but a layer that draws its randomness another way would make each of the
+  guard's passes a different random map, and its recomputed gradient not the one sent: alpha dropout,
+  torchvision's ``StochasticDepth`` (in its EfficientNets and ConvNeXts), timm's ``DropPath`` and
+  ``DropBlock2d``, and the attention dropout of ``nn.MultiheadAttention`` — found by their drop probability, so
+  a layer with it at 0 passes.
 * **InstanceNorm with running statistics** is per-sample in its forward pass but updates its
   running buffers from the batch in train mode: the same unguarded side channel as BatchNorm's.
 * **half-precision parameters** (a model cast to bfloat16 or float16): the guard's solves are
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from flguard.guard.frozen_batchnorm import FrozenBatchNorm
+from flguard.risk.dropout_draws import REPLAYED_LAYERS
 
 
 class UnsupportedModel(ValueError):
@@ -63,7 +65,7 @@ def _batchnorm_problem(name: str, module: nn.Module) -> str:
 
 
 #: Problems that a module's mode cannot change (refused as soon as a model is wrapped); the others
-#: (train-mode Dropout) depend on the mode and are refused at the step.
+#: (train-mode random layers the guard does not replay) depend on the mode and are refused at the step.
 STRUCTURAL = ("batchnorm", "instancenorm", "precision")
 
 #: The parameter dtypes the guard measures in.
@@ -92,8 +94,10 @@ def model_problems(model: nn.Module) -> list[tuple[str, str]]:
                              "track_running_stats=False"))
         elif module.training and (drop := _random_drop(module))[1] > 0:
             problems.append(("dropout", f"{where}: {type(module).__name__}({drop[0]}={drop[1]:.3g}) in train "
-                             "mode drops at random, so the per-sample Jacobian is undefined and the gradient cannot be "
-                             "reproduced; fix: remove it, set its probability to 0, or call .eval() on it"))
+                             "mode drops at random in a way the guard does not replay (it replays nn.Dropout and "
+                             "nn.Dropout1d/2d/3d), so the per-sample Jacobian is undefined and the gradient cannot be "
+                             "reproduced; fix: use nn.Dropout, remove it, set its probability to 0, or call .eval() "
+                             "on it"))
     return problems
 
 
@@ -106,6 +110,8 @@ DROP_ATTRIBUTE = {"StochasticDepth": "p", "DropPath": "drop_prob", "DropBlock2d"
 def _random_drop(module: nn.Module) -> tuple[str, float]:
     """(attribute, probability) with which ``module`` drops at random in train mode; probability 0 for a layer that
     never does."""
+    if isinstance(module, REPLAYED_LAYERS):  # guarded with its masks replayed
+        return "p", 0.0
     if isinstance(module, nn.modules.dropout._DropoutNd):
         return "p", float(module.p)
     attribute = DROP_ATTRIBUTE.get(type(module).__name__, "")
@@ -118,8 +124,9 @@ def check_model(model: nn.Module) -> list[str]:
     (module path, why, fix); an empty list when there are none.
 
     BatchNorm is listed in either mode: a model is normally guarded while it trains, and
-    ``model.train()`` restores the batch coupling. Dropout is listed only in train mode with p > 0
-    (in eval mode it is the identity)."""
+    ``model.train()`` restores the batch coupling. A random layer that the guard does not replay (alpha dropout,
+    stochastic depth) is listed only in train mode with p > 0 (in eval mode it is the identity); PyTorch's
+    ``nn.Dropout`` and ``nn.Dropout1d/2d/3d`` are not listed: their masks are replayed."""
     return [message for _, message in model_problems(model)]
 
 
@@ -156,8 +163,9 @@ def fix_model(model: nn.Module, batchnorm: str = "groupnorm") -> nn.Module:
     model): a ``FrozenBatchNorm`` that normalises with the BatchNorm's running statistics as they stand — the very map
     the pretrained network computes in eval mode, now in train mode too, per sample; a BatchNorm without running
     statistics is refused by name. The copy's parameters are new tensors: build the optimizer (and ``make_guarded``)
-    on the returned model. A BatchNorm given as the whole model is replaced too. Dropout is left to the user
-    (``check_model`` still lists it in train mode): removing it changes the regularisation."""
+    on the returned model. A BatchNorm given as the whole model is replaced too. Random layers are left as they
+    are: ``nn.Dropout`` is guarded with its masks replayed, and the others (``check_model`` lists them in train mode)
+    are the user's to change — removing one changes the regularisation."""
     if not isinstance(model, nn.Module):
         raise TypeError("fix_model: model must be a torch.nn.Module")
     if batchnorm not in BATCHNORM_FIXES:

@@ -3,7 +3,10 @@ on) and the criterion calls on their outputs — what ``make_guarded``'s step me
 
 Each pass keeps its input, the autocast it ran under and, once the criterion is called on its output, the target —
 the output itself, or one tensor of a structured output (a tuple, a dict, Hugging Face's ``ModelOutput``), whose
-place the pass keeps (``output_path``) so that the guard measures that part of the model's output (``SelectedOutput``).
+place the pass keeps (``output_path``) so that the guard measures that part of the model's output (``SelectedOutput``),
+and, where the model has train-mode dropout layers, the multipliers its dropouts drew (``flguard.risk.dropout_draws``:
+the pass runs under a recording ``DropoutDraws``, which draws each mask as PyTorch would and keeps it; the guard
+replays them).
 The step then finds the latest passes whose summed gradient is ``.grad``: the last pass alone (an ordinary step, or a
 ``GradScaler`` that skipped earlier steps whose gradients were thrown away), or several (gradient accumulation over
 micro-batches, measured as one batch). At most ``MAX_PASSES`` are kept, so a loop that evaluates with gradients on
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from flguard.guard.failure import GuardFailure
+from flguard.risk.dropout_draws import DropoutDraws, active_dropouts
 from flguard.risk.functional import uncompiled
 from flguard.risk.precision import AutocastState, autocast_state
 
@@ -41,6 +45,8 @@ class RecordedPass:
     target: Any = None
     scalar: bool = True  # whether that call returned a scalar loss
     path: tuple = ()  # where in the pass's output the criterion's prediction was (() : the output itself)
+    draws: tuple = ()  # the multipliers of its train-mode dropouts, in call order (flguard.risk.dropout_draws)
+    unreplayable: str = ""  # a dropout call it could not record (then the step is refused, saying why)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) of this pass, or ``GuardMisuse`` naming what the guard cannot measure."""
@@ -51,6 +57,8 @@ class RecordedPass:
         if not self.scalar:
             raise GuardMisuse("the guarded criterion must return a scalar (reduction='mean' or 'sum'): with "
                               "reduction='none' the guard cannot see the loss you backpropagate")
+        if self.unreplayable:
+            raise GuardMisuse(f"a train-mode dropout the guard cannot replay: {self.unreplayable}")
         return self.args[0].detach(), self.target.detach()
 
 
@@ -61,6 +69,7 @@ class Recorder:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.paused = False
+        self._drawing: DropoutDraws | None = None  # the recording mode of the pass under way
         self.clear()
 
     def clear(self) -> None:
@@ -75,8 +84,17 @@ class Recorder:
         self.count += 1
         self.passes = [*self.passes[-(MAX_PASSES - 1):], RecordedPass(args, kwargs, autocast_state())]
         self.output = None
+        if active_dropouts(self.model):  # its masks drawn here and kept, to be replayed by the guard
+            self._drawing = DropoutDraws()
+            self._drawing.__enter__()
 
     def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """After every pass, also one that raised (the hook is registered with ``always_call``)."""
+        if self._drawing is not None:
+            drawing, self._drawing = self._drawing, None
+            drawing.__exit__(None, None, None)
+            self.passes[-1].draws = tuple(drawing.draws)
+            self.passes[-1].unreplayable = drawing.problem
         if self.paused or not torch.is_grad_enabled():
             return
         self.output = output

@@ -57,6 +57,7 @@ from flguard.guard.recorder import GuardMisuse, RecordedPass, Recorder, Selected
 from flguard.guard.report import GuardReport
 from flguard.guard.session import active_session
 from flguard.guard.trial_step import momentum_gain, trial_displacement
+from flguard.risk.dropout_draws import DropoutDraws, check_batch
 from flguard.risk.precision import AutocastState, autocast_as
 
 #: ``make_guarded`` warns about an Adam-family optimizer above this learning rate: under the guard's noise each of its
@@ -186,11 +187,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if run is None:  # as_recorded: the last pass's own gradient
             refuse_gradient(sent, as_recorded, last.autocast, self._recorder.count)
         x, y = (torch.cat(parts) for parts in zip(*(recorded.batch() for recorded in run)))
-        path = _one_path(run)
+        path, draws = _one_path(run), _run_draws(run, int(x.shape[0]))
         loss_fn = self._criterion if len(run) == 1 else self._accumulated_loss(run, x, y, path)
         # the guard measures and sends float32: a mixed-precision pass is recomputed without autocast
         reference = (as_recorded if not any(recorded.autocast for recorded in run) else
-                     sum(self._recompute(params, *recorded.batch(), (), path) for recorded in run))
+                     sum(self._recompute(params, *recorded.batch(), (), path, recorded.draws) for recorded in run))
         measured = self._model if not path else SelectedOutput(self._model, path)  # a structured output's part
         self._recorder.paused = True
         try:
@@ -199,7 +200,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             step_rule = (trial_displacement(self.original_optimizer, params)
                          if step_size is None and guard.config.clip_per_sample == "auto" else None)
             out = guard.protect(measured, x, y, reference, loss_fn=loss_fn, step_size=step_size,
-                                step_rule=step_rule)
+                                step_rule=step_rule, draws=draws)
         finally:
             self._recorder.paused = False
         if len(run) > 1:
@@ -223,7 +224,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         last: torch.Tensor | None = None
         for run in self._recorder.runs():
             first = run[0]
-            part = self._recompute(params, *first.batch(), first.autocast, first.path)
+            part = self._recompute(params, *first.batch(), first.autocast, first.path, first.draws)
             total, last = (part, part) if total is None else (total + part, last)
             if same_gradient(sent, total, tuple(a for recorded in run for a in recorded.autocast)):
                 return run, total
@@ -281,14 +282,17 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return session.guard
 
     def _recompute(self, params: list[nn.Parameter], x: torch.Tensor, y: torch.Tensor,
-                   autocast: AutocastState, path: tuple = ()) -> torch.Tensor:
-        """∇θ criterion(the part at ``path`` of model(x), y) with ``autocast`` as given (``()``: float32), leaving
-        buffers (BatchNorm running statistics) as they were."""
+                   autocast: AutocastState, path: tuple = (), draws: tuple = ()) -> torch.Tensor:
+        """∇θ criterion(the part at ``path`` of model(x), y) with ``autocast`` as given (``()``: float32) and the
+        pass's dropout masks replayed (``draws``), leaving buffers (BatchNorm running statistics) as they were."""
         buffers = {name: b.detach().clone() for name, b in self._model.named_buffers()}
         self._recorder.paused = True
         try:
             with torch.enable_grad(), autocast_as(autocast):
-                loss = self._criterion(select(self._model(x), path), y)
+                with DropoutDraws(draws) as replay:
+                    output = self._model(x)
+                replay.finish()
+                loss = self._criterion(select(output, path), y)
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
         finally:
             self._recorder.paused = False
@@ -308,6 +312,20 @@ def _one_path(run: list[RecordedPass]) -> tuple:
     return paths.pop()
 
 
+def _run_draws(run: list[RecordedPass], batch: int) -> tuple[torch.Tensor, ...]:
+    """The dropout multipliers of the passes of ``run`` as one batch's (each dropout's, concatenated over the
+    micro-batches); ``GuardMisuse`` where the passes called different numbers of dropouts, or a dropout's first
+    dimension is not the batch (``flguard.risk.dropout_draws.check_batch``)."""
+    counts = {len(recorded.draws) for recorded in run}
+    if len(counts) != 1:
+        raise GuardMisuse(f"{len(run)} micro-batches accumulated in .grad whose forward passes called different numbers "
+                          f"of train-mode dropouts {sorted(counts)}: the guard measures them as one batch")
+    try:
+        return check_batch([torch.cat(parts) for parts in zip(*(recorded.draws for recorded in run))], batch)
+    except ValueError as error:
+        raise GuardMisuse(str(error)) from error
+
+
 def _warn_adaptive_lr(optimizer: torch.optim.Optimizer) -> None:
     """A ``UserWarning`` for an Adam-family optimizer above ``ADAPTIVE_LR_WARNING`` (its measured cost)."""
     lr = max(float(group["lr"]) for group in optimizer.param_groups)
@@ -321,7 +339,7 @@ def _warn_adaptive_lr(optimizer: torch.optim.Optimizer) -> None:
 
 def _refuse_unsupported(model: nn.Module) -> None:
     """At every step: the model's mode may have changed since ``make_guarded`` (``model.train()``
-    re-enables a Dropout): refuse what ``check_model`` lists, as a ``GuardMisuse`` naming it."""
+    re-enables a stochastic-depth layer): refuse what ``check_model`` lists, as a ``GuardMisuse`` naming it."""
     try:
         require_supported(model, "optimizer.step() (flguard.check_model)")
     except UnsupportedModel as error:
@@ -339,8 +357,10 @@ def make_guarded(model: nn.Module, optimizer: torch.optim.Optimizer,
     uses the guard of the enclosing ``flguard.flower.guard_mod`` at each step.
 
     A model with BatchNorm (or InstanceNorm with running statistics) is refused here with
-    ``UnsupportedModel``, which names the modules and ``flguard.fix_model``; a train-mode Dropout,
-    whose mode can still change, is refused at the step (``GuardMisuse``).
+    ``UnsupportedModel``, which names the modules and ``flguard.fix_model``; a train-mode random layer that the
+    guard does not replay (alpha dropout, stochastic depth), whose mode can still change, is refused at the step
+    (``GuardMisuse``). PyTorch's ``nn.Dropout`` and ``nn.Dropout1d/2d/3d`` train as they are: each pass's masks are
+    recorded and replayed in every pass the guard differentiates (``flguard.risk.dropout_draws``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError("make_guarded: model must be a torch.nn.Module")
@@ -355,7 +375,7 @@ def make_guarded(model: nn.Module, optimizer: torch.optim.Optimizer,
     if recorder is None:  # a model guarded again (a new optimizer per round) keeps its one pair of hooks
         recorder = Recorder(model)
         model.register_forward_pre_hook(recorder.before_forward, with_kwargs=True)
-        model.register_forward_hook(recorder.after_forward, with_kwargs=True)
+        model.register_forward_hook(recorder.after_forward, with_kwargs=True, always_call=True)
         model._flguard_recorder = recorder  # type: ignore[attr-defined]
     recorder.clear()
     guarded_criterion = GuardedCriterion(criterion, recorder)

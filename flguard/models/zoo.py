@@ -1,4 +1,4 @@
-"""Architectures: Flower's quickstart CNN, the I2F LeNet, Chen & Campbell's CNN variants, an MLP, a linear
+"""Architectures: Flower's quickstart CNN, PyTorch's MNIST example with dropout, the I2F LeNet, Chen & Campbell's CNN variants, an MLP, a linear
 model, ResNet-18 (BatchNorm, for the attack studies) and the GroupNorm ResNets the guard certifies
 (``flguard.models.resnet``)."""
 
@@ -111,6 +111,32 @@ class QuickstartCNN(nn.Module):
         return self.fc3(x)
 
 
+class DropoutCNN(nn.Module):
+    """PyTorch's MNIST example network (``pytorch/examples``, mnist/main.py), generic in channels, image size and
+    classes: conv 3×3 ×32 → ReLU → conv 3×3 ×64 → ReLU → max-pool 2 → Dropout(0.25) → FC 128 → ReLU →
+    Dropout(0.5) → FC classes (logits; the example returns their log-softmax). 1.2 M parameters on 28×28 inputs,
+    nearly all in the first FC layer: the dropout model practitioners start from, guarded with its masks replayed
+    (``flguard.risk.dropout_draws``)."""
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int) -> None:
+        super().__init__()
+        size = (image_size - 4) // 2
+        if size < 1:
+            raise ValueError(f"model 'dropout_cnn': image_size={image_size} is too small (need at least 6: two 3×3 "
+                             "convolutions and a 2×2 max-pool)")
+        self.conv1 = nn.Conv2d(in_channels, 32, 3)
+        self.conv2 = nn.Conv2d(32, 64, 3)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(64 * size * size, 128)
+        self.fc2 = nn.Linear(128, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        x = self.dropout1(nn.functional.max_pool2d(x, 2)).flatten(1)
+        return self.fc2(self.dropout2(torch.relu(self.fc1(x))))
+
+
 def _mlp(in_channels: int, num_classes: int, image_size: int, hidden: int = 256) -> nn.Module:
     """Two-layer perceptron with a sigmoid hidden layer (smooth, like the I2F LeNet)."""
     return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size**2, hidden), nn.Sigmoid(),
@@ -139,6 +165,7 @@ def _resnet18(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
 
 _BUILDERS: dict[str, Callable[[int, int, int], nn.Module]] = {
     "cnn": QuickstartCNN,
+    "dropout_cnn": DropoutCNN,
     "lenet": _lenet,
     **{name: _cnn(name) for name in CNN_VARIANTS},
     "mlp": _mlp,

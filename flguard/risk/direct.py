@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from torch.func import grad, jvp, vmap
 
+from flguard.risk.dropout_draws import sample_rows
 from flguard.risk.precision import on_exact_float32
 from flguard.risk.sample_autograd import flatten_into
 
@@ -35,7 +36,7 @@ class DirectProducts:
         with plain autograd instead of ``vmap`` (``flguard.risk.sample_autograd``: a fifth less time there)."""
         return ONE_AT_A_TIME and self.direct and self.sample_chunk == 1
 
-    def _jt_one(self, xi: torch.Tensor, yi: torch.Tensor, ui: torch.Tensor) -> torch.Tensor:
+    def _jt_one(self, xi: torch.Tensor, yi: torch.Tensor, di: tuple[torch.Tensor, ...], ui: torch.Tensor) -> torch.Tensor:
         """Unscaled J̃_iᵀu [dθ] of one sample, reverse-over-reverse: ∇_θ ⟨∇_x ℓ(x_i), u⟩ — the derivative of
         ∇_θ ℓ(x_i + t·u) at t = 0, by the symmetry of ℓ's mixed second derivatives. Measured against
         forward-over-reverse (one CPU thread, × a training step): quickstart CNN B = 32 3.7× vs 6.1×,
@@ -43,31 +44,30 @@ class DirectProducts:
         One sample at a time (``one_at_a_time``) the same product with plain autograd, one tensor per parameter
         (the K product hands them to ``_j_one`` as they are; ``_per_sample_products`` flattens them into its result)."""
         if self.one_at_a_time:
-            return self._autograd.jt(xi, yi, ui)
+            return self._autograd.jt(xi, yi, di, ui)
         direction = ui.reshape(xi.shape)
 
         def input_dot(params: dict[str, torch.Tensor]) -> torch.Tensor:
-            loss = lambda z: self.loss_fn(self._forward(params, z.unsqueeze(0)), yi.unsqueeze(0))  # noqa: E731
-            return (grad(loss)(xi) * direction).sum()
+            return (grad(lambda z: self._one_loss(params, z, yi, di))(xi) * direction).sum()
         return self._flat(grad(input_dot)(self.params))
 
-    def _j_one(self, xi: torch.Tensor, yi: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _j_one(self, xi: torch.Tensor, yi: torch.Tensor, di: tuple[torch.Tensor, ...], v: torch.Tensor) -> torch.Tensor:
         """Unscaled J̃_i v [dx] of one sample, reverse-of-forward: ∇_x of ℓ's derivative along θ + s·v at s = 0
         (one sample at a time, ``one_at_a_time``, with plain autograd)."""
         if self.one_at_a_time:
-            return self._autograd.j(xi, yi, v)
+            return self._autograd.j(xi, yi, di, v)
         tangent, offset = {}, 0
         for name, p in self.params.items():
             tangent[name] = v[offset:offset + p.numel()].reshape(p.shape)
             offset += p.numel()
 
         def along(z: torch.Tensor) -> torch.Tensor:
-            loss = lambda params: self.loss_fn(self._forward(params, z.unsqueeze(0)), yi.unsqueeze(0))  # noqa: E731
-            return jvp(loss, (self.params,), (tangent,))[1]
+            return jvp(lambda params: self._one_loss(params, z, yi, di), (self.params,), (tangent,))[1]
         return grad(along)(xi).reshape(-1)
 
     def _per_sample_products(self, one: Callable, vectors: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
-        """``one(x_i, y_i, w, *extra_i)`` for every sample i and each of its k vectors w, [B, k, ·]: vmap
+        """``one(x_i, y_i, d_i, w, *extra_i)`` (d_i: the sample's dropout multipliers) for every sample i and each of
+        its k vectors w, [B, k, ·]: vmap
         over samples in chunks (``sample_chunk``, divided by k) and, for k > 1, over the vectors.
         ``extra``: per-sample tensors [B, …] handed to ``one`` beside the vector."""
         k = vectors.shape[1]
@@ -75,9 +75,10 @@ class DirectProducts:
         if self.one_at_a_time:  # a Python loop: ``one`` takes plain autograd's forms (``_jt_one``, ``_j_one``)
             return self._looped(one, vectors, extra)
         if k == 1:
-            return vmap(one, chunk_size=chunk)(self.x, self.y, vectors[:, 0], *extra).unsqueeze(1)
-        each = lambda xi, yi, w, *e: vmap(lambda wj: one(xi, yi, wj, *e), chunk_size=self.chunk_size)(w)  # noqa: E731
-        return vmap(each, chunk_size=chunk)(self.x, self.y, vectors, *extra)
+            return vmap(one, chunk_size=chunk)(self.x, self.y, self.draws, vectors[:, 0], *extra).unsqueeze(1)
+        each = lambda xi, yi, di, w, *e: vmap(lambda wj: one(xi, yi, di, wj, *e),  # noqa: E731
+                                              chunk_size=self.chunk_size)(w)
+        return vmap(each, chunk_size=chunk)(self.x, self.y, self.draws, vectors, *extra)
 
     def _looped(self, one: Callable, vectors: torch.Tensor, extra: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """``_per_sample_products`` one sample and one vector at a time, written into one [B, k, ·] result (no
@@ -85,7 +86,7 @@ class DirectProducts:
         out = None
         for i in range(vectors.shape[0]):
             for j in range(vectors.shape[1]):
-                row = one(self.x[i], self.y[i], vectors[i, j], *(e[i] for e in extra))
+                row = one(self.x[i], self.y[i], sample_rows(self.draws, i), vectors[i, j], *(e[i] for e in extra))
                 if out is None:
                     size = row.numel() if isinstance(row, torch.Tensor) else sum(t.numel() for t in row)
                     out = vectors.new_empty(vectors.shape[0], vectors.shape[1], size)
@@ -100,8 +101,8 @@ class DirectProducts:
         batch, k = self._check(v, self.dtheta)
         self._charge(batch, k)
 
-        def one(xi: torch.Tensor, yi: torch.Tensor, vi: torch.Tensor, *e: torch.Tensor) -> torch.Tensor:
-            return self._j_one(xi, yi, before(vi, *e))
+        def one(xi: torch.Tensor, yi: torch.Tensor, di: tuple, vi: torch.Tensor, *e: torch.Tensor) -> torch.Tensor:
+            return self._j_one(xi, yi, di, before(vi, *e))
         return self.scale * self._per_sample_products(one, v, *extra)
 
     @on_exact_float32
@@ -115,8 +116,8 @@ class DirectProducts:
         self._charge(batch, k)
         self._charge(batch, k)
 
-        def one(xi: torch.Tensor, yi: torch.Tensor, ui: torch.Tensor) -> torch.Tensor:
-            return self._j_one(xi, yi, self._jt_one(xi, yi, ui))
+        def one(xi: torch.Tensor, yi: torch.Tensor, di: tuple, ui: torch.Tensor) -> torch.Tensor:
+            return self._j_one(xi, yi, di, self._jt_one(xi, yi, di, ui))
         return (self.scale * self.scale) * self._per_sample_products(one, u)
 
     def _chunked_sample_grads(self) -> torch.Tensor:
@@ -127,9 +128,10 @@ class DirectProducts:
         out = torch.empty(self.batch_size, self.dtheta, dtype=self.dtype, device=self.device)
         if self.one_at_a_time:
             for i, (xi, yi) in enumerate(zip(self.x, self.y)):
-                flatten_into(self._autograd.gradient(xi, yi), out[i])
+                flatten_into(self._autograd.gradient(xi, yi, sample_rows(self.draws, i)), out[i])
             return out
         for start in range(0, self.batch_size, self.sample_chunk):
             stop = min(start + self.sample_chunk, self.batch_size)
-            out[start:stop] = vmap(self._sample_grad)(self.x[start:stop], self.y[start:stop]).detach()
+            out[start:stop] = vmap(self._sample_grad)(self.x[start:stop], self.y[start:stop],
+                                                      sample_rows(self.draws, slice(start, stop))).detach()
         return out

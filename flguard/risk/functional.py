@@ -35,6 +35,7 @@ gradient is the one in ``.grad`` (``flguard.guard.training``) compares the two t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -43,6 +44,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
+
+from flguard.risk.dropout_draws import DROPOUT_FUNCTIONS, DropoutDraws
 
 
 def _normalised(x: torch.Tensor, dims: tuple[int, ...], eps: float) -> torch.Tensor:
@@ -155,10 +158,16 @@ def _multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 class _TwiceDifferentiable(TorchFunctionMode):
     """The module doc's layers — norms, softmaxes, attention, Hardsigmoid, global average pooling — in plain
-    operators; every other function as it is."""
+    operators, train-mode dropout with its recorded multipliers (``replay``); every other function as it is."""
+
+    def __init__(self, replay: DropoutDraws | None = None) -> None:
+        super().__init__()
+        self.replay = replay
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.replay is not None and func in DROPOUT_FUNCTIONS:
+            return self.replay.__torch_function__(func, types, args, kwargs)
         if func is F.hardsigmoid:
             given = {**dict(zip(("input", "inplace"), args)), **kwargs}
             value = F.relu6(given["input"] + 3) / 6
@@ -188,11 +197,19 @@ class _TwiceDifferentiable(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def functional_forward(model: nn.Module, tensors: Any, inputs: torch.Tensor) -> torch.Tensor:
+def functional_forward(model: nn.Module, tensors: Any, inputs: torch.Tensor,
+                       draws: Sequence[torch.Tensor] | DropoutDraws | None = None) -> torch.Tensor:
     """``model(inputs)`` with its parameters and buffers taken from ``tensors`` (a dict, or a tuple of dicts, as
-    ``functional_call`` takes them), every layer in a twice-differentiable, vmappable form (module doc)."""
-    with sdpa_kernel(SDPBackend.MATH), _TwiceDifferentiable():
-        return functional_call(model, tensors, (inputs,))
+    ``functional_call`` takes them), every layer in a twice-differentiable, vmappable form (module doc). ``draws``:
+    the multipliers of the train-mode dropouts to replay, in call order, with ``inputs``' batch as their first
+    dimension, or a recording ``DropoutDraws`` (``flguard.risk.dropout_draws``); None: dropout as PyTorch runs it. A
+    replayed pass that calls another number of dropouts than were recorded is refused (``ValueError``)."""
+    replay = draws if isinstance(draws, DropoutDraws) or draws is None else DropoutDraws(draws)
+    with sdpa_kernel(SDPBackend.MATH), _TwiceDifferentiable(replay):
+        out = functional_call(model, tensors, (inputs,))
+    if replay is not None:
+        replay.finish()
+    return out
 
 
 def uncompiled(model: nn.Module) -> nn.Module:

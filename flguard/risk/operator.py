@@ -24,12 +24,17 @@ Two exact paths:
   zero except at sample i. Exact, but B times the work of the per-sample path.
 
 Parameters are the model's trainable parameters in ``model.parameters()`` order, flattened.
+
+Train-mode dropout (``nn.Dropout``, ``nn.Dropout1d/2d/3d``) is measured with its masks held fixed: those of the pass
+that made the gradient (``draws``), or, without them, those that the operator's first pass over the batch draws
+(``drew_masks``); each sample's products replay its own (``flguard.risk.dropout_draws``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Sequence
 from typing import Callable, Iterator, Literal
 
 import torch
@@ -41,6 +46,7 @@ from flguard.risk import sizing
 from flguard.risk.limits import ProductLimit, ProductLimitReached  # noqa: F401  (re-exported: the operator charges them)
 from flguard.risk.precision import on_exact_float32
 from flguard.risk.direct import DirectProducts
+from flguard.risk.dropout_draws import REPLAYED_LAYERS, DropoutDraws, as_one_sample, check_batch, sample_rows
 from flguard.risk.functional import functional_forward, uncompiled
 from flguard.risk.loss_split import split_loss
 from flguard.risk.sample_autograd import SampleAutograd
@@ -66,11 +72,13 @@ def has_batch_coupling(model: nn.Module) -> bool:
 
 
 def check_deterministic(model: nn.Module) -> None:
-    """Refuse train-mode dropout: the Jacobian of a random mask is not a property of the sample."""
+    """Refuse a train-mode dropout layer whose masks are not replayed (``flguard.risk.dropout_draws``: alpha
+    dropout): the Jacobian of a freshly random map is not a property of the sample."""
     for name, module in model.named_modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
-            raise ValueError(f"module {name!r} is a train-mode Dropout; call model.eval() or remove it "
-                             "before measuring leakage (the Jacobian of a random mask is undefined)")
+        if (isinstance(module, nn.modules.dropout._DropoutNd) and not isinstance(module, REPLAYED_LAYERS)
+                and module.training and module.p > 0):
+            raise ValueError(f"module {name!r} is a train-mode {type(module).__name__}, whose masks the guard does "
+                             "not replay; call .eval() on it or remove it before measuring leakage")
 
 
 @contextlib.contextmanager
@@ -103,7 +111,8 @@ class JacobianOperator(DirectProducts):
 
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,
                  *, coupled: bool | None = None, chunk_size: int | None = None,
-                 limit: ProductLimit | None = None, products: Literal["auto", "cached", "direct"] = "auto") -> None:
+                 limit: ProductLimit | None = None, products: Literal["auto", "cached", "direct"] = "auto",
+                 draws: Sequence[torch.Tensor] | None = None) -> None:
         model = uncompiled(model)  # a torch.compile'd model: its own module, the same parameters
         check_deterministic(model)
         self.model = model
@@ -130,8 +139,14 @@ class JacobianOperator(DirectProducts):
         self.applications = 0
         self._cached_pullback: Callable | None = None
         self._cached_transpose: Callable | None = None
+        # the dropouts' multipliers: replayed as given, or drawn by this first pass (module doc)
+        self.draws = check_batch(draws, self.batch_size) if draws is not None else ()
+        recording = DropoutDraws() if draws is None else None
         with torch.no_grad(), batchnorm_without_running_stats(model):
-            logits = self._forward(self.params, self.x)
+            logits = self._forward(self.params, self.x, recording)
+        if recording is not None:
+            self.draws = check_batch(recording.finish(), self.batch_size)
+        self.drew_masks = bool(self.draws) and draws is None
         if not isinstance(logits, torch.Tensor):
             raise TypeError(f"the model returns a {type(logits).__name__}, not one tensor: the guard measures the part "
                             "of the output the loss takes — wrap the model as flguard.guard.recorder.SelectedOutput("
@@ -163,17 +178,22 @@ class JacobianOperator(DirectProducts):
     def dtype(self) -> torch.dtype:
         return self.x.dtype
 
-    def _forward(self, params: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
-        return functional_forward(self.model, (params, self.buffers), inputs)
+    def _forward(self, params: dict[str, torch.Tensor], inputs: torch.Tensor,
+                 draws: Sequence[torch.Tensor] | DropoutDraws | None = None) -> torch.Tensor:
+        """The model on ``inputs`` (the whole batch, unless ``draws`` are those of the samples it holds)."""
+        return functional_forward(self.model, (params, self.buffers), inputs, self.draws if draws is None else draws)
+
+    def _one_loss(self, params: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor,
+                  di: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """ℓ(f(x_i), y_i) of one sample, with its own dropout multipliers ``di``."""
+        return self.loss_fn(self._forward(params, xi.unsqueeze(0), as_one_sample(di)), yi.unsqueeze(0))
 
     def _flat(self, tree: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([tree[n].reshape(-1) for n in self.names])
 
-    def _sample_grad(self, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+    def _sample_grad(self, xi: torch.Tensor, yi: torch.Tensor, di: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Unscaled ∇_θ ℓ(f(x_i), y_i), flat [dθ] (per-sample path)."""
-        def sample_loss(params):
-            return self.loss_fn(self._forward(params, xi.unsqueeze(0)), yi.unsqueeze(0))
-        return self._flat(grad(sample_loss)(self.params))
+        return self._flat(grad(lambda params: self._one_loss(params, xi, yi, di))(self.params))
 
     def _batch_grad(self, inputs: torch.Tensor) -> torch.Tensor:
         """∇_θ L(X, θ) of the whole batch, flat [dθ] (coupled path)."""
@@ -222,21 +242,23 @@ class JacobianOperator(DirectProducts):
         self._charge(self.batch_size, 1)
         direction = u.reshape(self.x.shape)
 
-        def loss(params: dict[str, torch.Tensor], z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        def loss(params: dict[str, torch.Tensor], z: torch.Tensor, labels: torch.Tensor,
+                 draws: tuple[torch.Tensor, ...]) -> torch.Tensor:
             if self.coupled:
-                return self.loss_fn(self._forward(params, z), labels)
+                return self.loss_fn(self._forward(params, z, draws), labels)
             # c Σ_i ℓ_i with the operator's own c: a chunk (or a restricted copy) keeps the whole batch's scale
             each = vmap(lambda out, label: self.loss_fn(out.unsqueeze(0), label.unsqueeze(0)))
-            return self.scale * each(self._forward(params, z), labels).sum()
+            return self.scale * each(self._forward(params, z, draws), labels).sum()
 
         def in_chunks(chunk: int) -> torch.Tensor:
             total = None
             with batchnorm_without_running_stats(self.model):
                 for start in range(0, self.batch_size, chunk):
                     x, y, d = (t[start:start + chunk] for t in (self.x, self.y, direction))
+                    rows = sample_rows(self.draws, slice(start, start + chunk))
 
                     def input_dot(params: dict[str, torch.Tensor]) -> torch.Tensor:
-                        return (grad(lambda z: loss(params, z, y))(x) * d).sum()  # noqa: B023 (called at once)
+                        return (grad(lambda z: loss(params, z, y, rows))(x) * d).sum()  # noqa: B023 (called at once)
                     part = self._flat(grad(input_dot)(self.params))
                     total = part if total is None else total.add_(part)
             return total
@@ -246,8 +268,9 @@ class JacobianOperator(DirectProducts):
         if self.one_at_a_time:
             with batchnorm_without_running_stats(self.model):
                 total = torch.zeros(self.dtheta, dtype=self.dtype, device=self.device)
-                for xi, yi, di in zip(self.x, self.y, direction):
-                    for part, t in zip(total.split(self._autograd.sizes), self._autograd.jt(xi, yi, di)):
+                for i, (xi, yi, ui) in enumerate(zip(self.x, self.y, direction)):
+                    sample = self._autograd.jt(xi, yi, sample_rows(self.draws, i), ui)
+                    for part, t in zip(total.split(self._autograd.sizes), sample):
                         part.add_(t.reshape(-1))
                 return total.mul_(self.scale)
         if self.direct:
@@ -259,13 +282,12 @@ class JacobianOperator(DirectProducts):
         once. Its pullback of u is (J_iᵀ u_i)_i (mixed partials commute), so every Jᵀ product reuses
         one forward and backward pass (measured: about half the cost of a forward-over-reverse jvp)."""
         if self._cached_transpose is None:
-            def input_gradient(params, xi, yi):
-                loss = lambda z: self.loss_fn(self._forward(params, z.unsqueeze(0)), yi.unsqueeze(0))  # noqa: E731
-                return grad(loss)(xi).reshape(-1)
+            def input_gradient(params, xi, yi, di):
+                return grad(lambda z: self._one_loss(params, z, yi, di))(xi).reshape(-1)
             per_sample = {n: p.unsqueeze(0).expand(self.batch_size, *p.shape) for n, p in self.params.items()}
 
             def build() -> Callable:
-                return vjp(lambda params: vmap(input_gradient)(params, self.x, self.y), per_sample)[1]
+                return vjp(lambda params: vmap(input_gradient)(params, self.x, self.y, self.draws), per_sample)[1]
             if CACHED_TRANSPOSED_INPUT_GRADS:
                 input_only = InputOnly()  # the build's inner gradient is to the input only; the pullback's, to both
                 with transposed_input_grads(input_only), input_only():
@@ -310,7 +332,7 @@ class JacobianOperator(DirectProducts):
         if self._cached_pullback is None:
             with batchnorm_without_running_stats(self.model):
                 gradients = (self._batch_grad if self.coupled
-                             else lambda inputs: vmap(self._sample_grad)(inputs, self.y))
+                             else lambda inputs: vmap(self._sample_grad)(inputs, self.y, self.draws))
                 primal, self._cached_pullback = vjp(gradients, self.x)
                 if not self.coupled:
                     self._per_sample = primal.detach()
@@ -346,7 +368,7 @@ class JacobianOperator(DirectProducts):
         if self.coupled:
             raise ValueError("a coupled operator's blocks cannot be restricted to a subset of the batch")
         sub = copy.copy(self)
-        sub.x, sub.y = self.x[index], self.y[index]
+        sub.x, sub.y, sub.draws = self.x[index], self.y[index], sample_rows(self.draws, index)
         sub.batch_size = int(sub.x.shape[0])
         sub.applications = 0
         sub._cached_pullback = sub._cached_transpose = None

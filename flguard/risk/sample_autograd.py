@@ -30,6 +30,7 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 from torch import nn
 
+from flguard.risk.dropout_draws import as_one_sample
 from flguard.risk.functional import functional_forward
 from flguard.risk.transposed_input_grads import InputOnly, transposed_input_grads
 
@@ -39,6 +40,7 @@ from flguard.risk.transposed_input_grads import InputOnly, transposed_input_grad
 TRANSPOSED_INPUT_GRADS = True
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Draws = tuple[torch.Tensor, ...]  # one sample's dropout multipliers, without the batch dimension
 
 
 class SampleAutograd:
@@ -55,28 +57,30 @@ class SampleAutograd:
         self.values = [params[n].detach() for n in self.names]
         self.sizes = [p.numel() for p in self.values]
 
-    def forward(self, params: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
-        return functional_forward(self.model, (params, self.buffers), inputs)
+    def forward(self, params: dict[str, torch.Tensor], inputs: torch.Tensor, draws: Draws) -> torch.Tensor:
+        """The model on one sample ``inputs`` [1, …] with its dropout multipliers ``draws``."""
+        return functional_forward(self.model, (params, self.buffers), inputs, as_one_sample(draws))
 
     def _leaves(self) -> list[torch.Tensor]:
         """Fresh leaves that share the parameters' storage: nothing is recorded on the operator's own tensors."""
         return [p.detach().requires_grad_(True) for p in self.values]
 
-    def _loss(self, params: list[torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(self.forward(dict(zip(self.names, params)), xi.unsqueeze(0)), yi.unsqueeze(0))
+    def _loss(self, params: list[torch.Tensor], xi: torch.Tensor, yi: torch.Tensor, di: Draws) -> torch.Tensor:
+        return self.loss_fn(self.forward(dict(zip(self.names, params)), xi.unsqueeze(0), di), yi.unsqueeze(0))
 
-    def gradient(self, xi: torch.Tensor, yi: torch.Tensor) -> list[torch.Tensor]:
-        """∇_θ ℓ(x_i), one tensor per parameter."""
+    def gradient(self, xi: torch.Tensor, yi: torch.Tensor, di: Draws) -> list[torch.Tensor]:
+        """∇_θ ℓ(x_i), one tensor per parameter (``di``: the sample's dropout multipliers, as everywhere here)."""
         leaves = self._leaves()
-        return list(torch.autograd.grad(self._loss(leaves, xi, yi), leaves, allow_unused=True, materialize_grads=True))
+        return list(torch.autograd.grad(self._loss(leaves, xi, yi, di), leaves, allow_unused=True,
+                                        materialize_grads=True))
 
-    def jt(self, xi: torch.Tensor, yi: torch.Tensor, ui: torch.Tensor) -> list[torch.Tensor]:
+    def jt(self, xi: torch.Tensor, yi: torch.Tensor, di: Draws, ui: torch.Tensor) -> list[torch.Tensor]:
         """J_iᵀu = ∇_θ⟨∇_x ℓ(x_i), u⟩, u [dx] → one tensor per parameter (flattening them into one vector is a copy
         of dθ floats: 40 ms a sample on a ResNet-18, a sixth of the product; the K product passes them on as they are)."""
         leaves, x = self._leaves(), xi.detach().requires_grad_(True)
         input_only = InputOnly()
         with transposed_input_grads(input_only) if TRANSPOSED_INPUT_GRADS else contextlib.nullcontext():
-            loss = self._loss(leaves, x, yi)
+            loss = self._loss(leaves, x, yi, di)
         with input_only():
             (input_grad,) = torch.autograd.grad(loss, x, create_graph=True)
         dot = (input_grad * ui.reshape(input_grad.shape)).sum()
@@ -84,14 +88,14 @@ class SampleAutograd:
             return [torch.zeros_like(p) for p in self.values]
         return list(torch.autograd.grad(dot, leaves, allow_unused=True, materialize_grads=True))
 
-    def j(self, xi: torch.Tensor, yi: torch.Tensor, v: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    def j(self, xi: torch.Tensor, yi: torch.Tensor, di: Draws, v: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """J_iv = ∇_x⟨∇_z ℓ, ż⟩ (module doc), v [dθ] or one tensor per parameter → [dx]."""
         x = xi.detach().requires_grad_(True)
         pieces = torch.split(v, self.sizes) if isinstance(v, torch.Tensor) else v
         tangents = [t.reshape(p.shape) for t, p in zip(pieces, self.values)]
         with forward_ad.dual_level():
             dual = [forward_ad.make_dual(p, t) for p, t in zip(self.values, tangents)]
-            logits, along = forward_ad.unpack_dual(self.forward(dict(zip(self.names, dual)), x.unsqueeze(0)))
+            logits, along = forward_ad.unpack_dual(self.forward(dict(zip(self.names, dual)), x.unsqueeze(0), di))
         if along is None:  # the logits do not move along v
             return torch.zeros_like(xi).reshape(-1)
         (loss_grad,) = torch.autograd.grad(self.loss_fn(logits, yi.unsqueeze(0)), logits, create_graph=True)

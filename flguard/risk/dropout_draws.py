@@ -1,0 +1,121 @@
+"""Train-mode dropout as the guard measures it: each mask drawn once, in the pass that made the gradient, and
+replayed in every pass the guard differentiates.
+
+A dropout layer multiplies its input by a random multiplier m = b/(1 − p), b ~ Bernoulli(1 − p) — one per element
+(``F.dropout``: ``nn.Dropout``) or one per sample and channel (``F.dropout1d/2d/3d``: ``nn.Dropout1d/2d/3d``). A
+fresh draw in each of the guard's passes would make every product a different random map, and the recomputed gradient
+not the one sent. With the multipliers of the pass that made the gradient held fixed, sample i's gradient is a
+deterministic function of x_i — the very map that produced what the server receives — so its block J_i, the
+certificate and the check that the recomputed gradient is ``.grad`` are all about that map (an attacker who does not
+know the masks can only do worse than one who does).
+
+``DropoutDraws`` is a function mode with two uses:
+
+* **record** (``DropoutDraws()``): each dropout call draws its multiplier itself (the same distribution as PyTorch's,
+  from the same default generator), applies it and keeps it — around the user's forward pass (``make_guarded``'s
+  recorder) or the operator's first pass over the batch (``Guard.protect`` without recorded draws);
+* **replay** (``DropoutDraws(draws)``): the k-th dropout call of the pass multiplies by the k-th recorded multiplier
+  instead of drawing, in the same order; ``finish`` refuses a pass that called fewer. The per-sample passes hand each
+  sample its own rows (the multipliers' first dimension is the batch: ``check_batch``).
+
+A dropout call in eval mode or with p = 0 is the identity and draws nothing, in both uses. Other random layers
+(alpha dropout, torchvision's ``StochasticDepth``, timm's ``DropPath``) draw through other functions and stay
+refused by the model check (``flguard.guard.model_check``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+#: The dropout functions replayed, with the number of spatial dimensions that share a multiplier (0: none — one
+#: multiplier per element).
+DROPOUT_FUNCTIONS = {F.dropout: 0, F.dropout1d: 1, F.dropout2d: 2, F.dropout3d: 3}
+
+#: The layers that call them: train-mode instances are guarded with their masks replayed.
+REPLAYED_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+
+
+class DropoutDraws(TorchFunctionMode):
+    """Record (``draws`` None) or replay (``draws`` given) the multipliers of a pass's dropout calls (module doc)."""
+
+    def __init__(self, draws: Sequence[torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.replaying = draws is not None
+        self.draws: list[torch.Tensor] = list(draws) if draws is not None else []
+        self.used = 0
+        self.problem = ""  # record: a call it could not record (the pass then cannot be guarded)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        spatial = DROPOUT_FUNCTIONS.get(func)
+        if spatial is None:
+            return func(*args, **kwargs)
+        given = {**dict(zip(("input", "p", "training", "inplace"), args)), **kwargs}
+        p, inputs = float(given.get("p", 0.5)), given["input"]
+        if not given.get("training", True) or p == 0:
+            return func(*args, **kwargs)
+        if self.replaying:
+            if self.used == len(self.draws):
+                raise ValueError(f"a train-mode {func.__name__} that the recorded pass did not call (it drew "
+                                 f"{len(self.draws)} masks): the guard replays the masks of the pass that made the "
+                                 "gradient, in order — the model's forward pass must call the same dropouts each time")
+            multiplier = self.draws[self.used].to(inputs.dtype)
+            self.used += 1
+            return inputs * multiplier  # out of place: the guard's passes differentiate through the input
+        if spatial and inputs.dim() != spatial + 2:
+            self.problem = (f"{func.__name__} on a {inputs.dim()}-d input (the guard replays it on batched "
+                            f"(N, C, …) inputs of {spatial + 2} dimensions)")
+            return func(*args, **kwargs)
+        shape = inputs.shape if spatial == 0 else (*inputs.shape[:2], *(1,) * spatial)
+        multiplier = torch.empty(shape, dtype=inputs.dtype, device=inputs.device).bernoulli_(1 - p)
+        if p < 1:
+            multiplier.div_(1 - p)
+        self.draws.append(multiplier.detach())
+        return inputs.mul_(multiplier) if given.get("inplace", False) else inputs * multiplier
+
+    def finish(self) -> tuple[torch.Tensor, ...]:
+        """The pass's multipliers, in call order; ``ValueError`` where a replayed pass called fewer dropouts than were
+        recorded, or a recorded one a dropout it could not record."""
+        if self.replaying and self.used != len(self.draws):
+            raise ValueError(f"the pass called {self.used} train-mode dropouts where the recorded pass drew "
+                             f"{len(self.draws)} masks: the guard replays them in order")
+        if self.problem:
+            raise ValueError(f"a train-mode dropout the guard cannot replay: {self.problem}")
+        return tuple(self.draws)
+
+
+def check_batch(draws: Sequence[torch.Tensor], batch: int) -> tuple[torch.Tensor, ...]:
+    """``draws`` as a tuple, each multiplier's first dimension checked to be the batch's (a sample's rows are its
+    multipliers); ``ValueError`` naming the shape otherwise."""
+    for multiplier in draws:
+        if multiplier.dim() == 0 or multiplier.shape[0] != batch:
+            raise ValueError(f"a train-mode dropout on a tensor of shape {tuple(multiplier.shape)}, whose first "
+                             f"dimension is not the batch of {batch} samples: the guard replays each sample's own mask "
+                             "and cannot tell which rows are whose")
+    return tuple(draws)
+
+
+def sample_rows(draws: Sequence[torch.Tensor], index: int | slice | torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The multipliers of the samples ``index`` (an int: one sample's, without the batch dimension)."""
+    return tuple(multiplier[index] for multiplier in draws)
+
+
+def as_one_sample(draws: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """One sample's multipliers with a batch dimension of one, as its forward pass on ``x_i.unsqueeze(0)`` needs."""
+    return tuple(multiplier.unsqueeze(0) for multiplier in draws)
+
+
+def active_dropouts(model: nn.Module) -> list[str]:
+    """The paths of ``model``'s train-mode dropout layers with p > 0 that the guard replays (``REPLAYED_LAYERS``)."""
+    return [name or "<model>" for name, module in model.named_modules()
+            if isinstance(module, REPLAYED_LAYERS) and module.training and module.p > 0]
+
+
+__all__ = ["DROPOUT_FUNCTIONS", "REPLAYED_LAYERS", "DropoutDraws", "active_dropouts", "as_one_sample", "check_batch",
+           "sample_rows"]

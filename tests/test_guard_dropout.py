@@ -1,0 +1,266 @@
+"""Train-mode dropout guarded as it trains: each pass's masks recorded and replayed (``flguard.risk.dropout_draws``).
+
+The references here never use the replay: a copy of the model's forward pass multiplies by the masks as plain
+tensors (``DropoutResNet.fixed``), and the masks of the user's pass are read off the dropout layers' own inputs and
+outputs by forward hooks. Against them: the operator's products on its three paths, and the noise that
+``make_guarded`` sends, certified by dense float64 I²F.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from flguard import GuardConfig, check_model, make_guarded
+from flguard.guard import Guard
+from flguard.guard.recorder import GuardMisuse
+from flguard.risk.dropout_draws import DropoutDraws
+from flguard.risk.functional import functional_forward
+from flguard.risk.operator import JacobianOperator
+from guard_settings import unclipped
+from risk_reference import (sample_gradient, assert_certified_on_dense_float64, assert_reported_rmse,
+                            clipped_upload_jacobians)
+
+MEAN, STD = (0.5, 0.4, 0.3), (0.25, 0.2, 0.3)
+
+
+class DropoutResNet(nn.Module):
+    """A 3-channel residual block with GroupNorm, channel dropout on its branch, pooling and element dropout before
+    the head; with ``fixed`` = (channel multipliers [1, C, 1, 1], feature multipliers [1, C]) it multiplies by those
+    instead of dropping — the reference forward pass of one sample with its masks."""
+
+    def __init__(self, width: int = 4, classes: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.gn0 = nn.GroupNorm(2, width)
+        self.conv = nn.Conv2d(width, width, 3, padding=1)
+        self.gn1 = nn.GroupNorm(2, width)
+        self.drop2d = nn.Dropout2d(0.25)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.drop = nn.Dropout(0.5)
+        self.fc = nn.Linear(width, classes)
+        self.fixed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.gn0(self.stem(x)))
+        branch = self.gn1(self.conv(h))
+        branch = branch * self.fixed[0] if self.fixed is not None else self.drop2d(branch)
+        z = self.pool(torch.relu(h + branch)).flatten(1)
+        z = z * self.fixed[1] if self.fixed is not None else self.drop(z)
+        return self.fc(z)
+
+
+def _problem(batch: int = 6, seed: int = 0):
+    torch.manual_seed(seed)
+    model = DropoutResNet().double().train().to(memory_format=torch.channels_last)
+    x = torch.randn(batch, 3, 5, 5, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    return model, x, torch.arange(batch) % 3
+
+
+def _masked_forward(model: DropoutResNet, channel: torch.Tensor, feature: torch.Tensor):
+    """``forward(params, x_i[None], i)`` for the dense references: sample i's pass with its masks as plain tensors."""
+    from torch.func import functional_call
+
+    def forward(params, inputs, i):
+        model.fixed = (channel[i:i + 1], feature[i:i + 1])
+        try:
+            return functional_call(model, params, (inputs,))
+        finally:
+            model.fixed = None
+    return forward
+
+
+def _masks_of_the_next_pass(model: DropoutResNet):
+    """Hooks reading the multipliers off the dropout layers' inputs and outputs in the next pass: out / in (0 where
+    the input is 0 — a feature that is 0 before its dropout has no derivative through it either)."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def read(module, args, output):
+            if name not in seen:
+                ratio = torch.where(args[0] != 0, output / args[0], torch.zeros_like(output)).detach()
+                seen[name] = ratio.amax((2, 3), keepdim=True) if ratio.dim() == 4 else ratio
+        return read
+    handles = [model.drop2d.register_forward_hook(hook("channel")), model.drop.register_forward_hook(hook("feature"))]
+    return seen, handles
+
+
+@pytest.mark.parametrize("path", ["cached", "direct", "one at a time"])
+def test_the_operator_replays_each_samples_masks_on_every_path_against_dense_float64(path):
+    """The operator draws the masks in its first pass (no draws given) and every product replays sample i's own:
+    J_iv, J_iᵀu, K_iu, the per-sample gradients, Σ_iJ_iᵀu_i and a restricted operator's rows equal the dense
+    Jacobians of the model with those masks as fixed multipliers, on the cached path, the vmapped direct path and
+    plain autograd one sample at a time, with channels-last weights and inputs."""
+    model, x, y = _problem()
+    op = JacobianOperator(model, x, y, products="cached" if path == "cached" else "direct")
+    if path == "one at a time":
+        op.sample_chunk = 1
+    assert op.one_at_a_time == (path == "one at a time") and op.drew_masks and len(op.draws) == 2
+    channel, feature = op.draws
+    assert channel.shape == (6, 4, 1, 1) and feature.shape == (6, 4)
+    assert set(channel.unique().tolist()) <= {0.0, 1 / 0.75} and set(feature.unique().tolist()) <= {0.0, 2.0}
+    forward = _masked_forward(model, channel, feature)
+    jac = clipped_upload_jacobians(model, x, y, 1.0, torch.zeros(6, dtype=torch.bool), forward)  # (1/B) J̃_i
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(6, 2, op.dtheta, generator=g, dtype=torch.float64)
+    u = torch.randn(6, 2, op.dx, generator=g, dtype=torch.float64)
+    close = dict(rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(op.j(v), torch.einsum("bap,bkp->bka", jac, v), **close)
+    torch.testing.assert_close(op.jt(u), torch.einsum("bap,bka->bkp", jac, u), **close)
+    torch.testing.assert_close(op.kmv(u), torch.einsum("bap,bcp,bkc->bka", jac, jac, u), **close)
+    torch.testing.assert_close(op.jt_sum(u[:, 0]), torch.einsum("bap,ba->p", jac, u[:, 0]), **close)
+    index = torch.tensor([4, 1])
+    torch.testing.assert_close(op.restricted(index).j(v[index]), op.j(v)[index], **close)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    per = torch.stack([sample_gradient(model, forward, params, x[i], y[i], i) for i in range(6)])
+    torch.testing.assert_close(op.per_sample_gradients(), per, **close)
+    torch.testing.assert_close(op.batch_gradient(), per.mean(0), **close)
+
+
+def test_make_guarded_sends_a_dropout_models_step_certified_against_dense_float64():
+    """The user's loop with Dropout2d and Dropout in train mode, unchanged: the step is guarded (it was refused),
+    ``.grad`` is the gradient of the user's own pass — its masks read off the layers by hooks — and the noise sent
+    certifies every kept sample against dense float64 I²F of that masked map."""
+    model, x, y = _problem()
+    config = GuardConfig(pixel_mean=MEAN, pixel_std=STD, seed=3, clip_per_sample="median", max_excluded=0.25,
+                         max_rel_noise=40.0, rtol=1e-2)
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                                               nn.CrossEntropyLoss(), config)
+    seen, handles = _masks_of_the_next_pass(model)
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    for handle in handles:
+        handle.remove()
+    optimizer.step()
+    report = optimizer.guard_reports[0]
+    assert report.met, report.reason
+    assert_certified_on_dense_float64(model, x, y, config, report,
+                                      forward=_masked_forward(model, seen["channel"], seen["feature"]))
+
+
+def test_the_unclipped_step_of_a_dropout_model_meets_the_floor_against_dense_float64():
+    """Without per-sample clipping the guard sends ``.grad`` itself plus noise: that gradient is the user's pass's
+    (masks read off by hooks), and the noise gives each sample dense I²F ≥ τ of the masked map, as reported."""
+    model, x, y = _problem()
+    config = unclipped(defense="gaussian", min_rmse=0.2, max_rel_noise=1e4, seed=0)
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                                               nn.CrossEntropyLoss(), config)
+    seen, handles = _masks_of_the_next_pass(model)
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    for handle in handles:
+        handle.remove()
+    optimizer.step()
+    report = optimizer.guard_reports[0]
+    assert report.met, report.reason
+    forward = _masked_forward(model, seen["channel"], seen["feature"])
+    jac = clipped_upload_jacobians(model, x, y, 1.0, torch.zeros(6, dtype=torch.bool), forward)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    gradient = torch.stack([sample_gradient(model, forward, params, x[i], y[i], i) for i in range(6)]).mean(0)
+    noise = torch.cat([p.grad.reshape(-1) for p in model.parameters()]) - gradient
+    kernel = jac @ jac.transpose(1, 2)
+    eps = config.eps * torch.linalg.eigvalsh(kernel)[:, -1]
+    shift = torch.linalg.solve(kernel + eps.view(-1, 1, 1) * torch.eye(kernel.shape[1], dtype=kernel.dtype),
+                               (jac @ noise).unsqueeze(-1)).squeeze(-1)
+    rmse = shift.norm(dim=1) / shift.shape[1] ** 0.5
+    assert bool((rmse >= config.floor).all()), rmse
+    assert_reported_rmse(report, rmse, rtol=3 * config.rtol)
+
+
+def test_recorded_masks_are_drawn_as_pytorchs_dropout_draws_them():
+    """Recording changes the implementation, not the distribution: each element kept with probability 1 − p and
+    scaled by 1/(1 − p) (Dropout), one draw per sample and channel (Dropout2d), nothing drawn in eval mode."""
+    x = torch.ones(200, 50, 4, 4)
+    with DropoutDraws() as drawing:
+        out = nn.Dropout(0.3)(x)
+        channels = nn.Dropout2d(0.6)(x)
+        nn.Dropout(0.3).eval()(x)
+    element, channel = drawing.finish()
+    assert torch.equal(out, element) and torch.equal(channels, channel.expand_as(x))
+    assert element.unique().tolist() == [0.0, pytest.approx(1 / 0.7)]
+    assert channel.shape == (200, 50, 1, 1)
+    kept, n = float((element > 0).double().mean()), element.numel()
+    assert abs(kept - 0.7) < 5 * (0.21 / n) ** 0.5
+    kept, n = float((channel > 0).double().mean()), channel.numel()
+    assert abs(kept - 0.4) < 5 * (0.24 / n) ** 0.5
+
+
+def test_guard_protect_without_the_passs_masks_withholds_and_with_them_sends():
+    """``Guard.protect`` given a gradient of a dropout model cannot know its masks: withheld, saying so. Recorded
+    with ``DropoutDraws`` and passed as ``draws``, the same step is sent."""
+    model, x, y = _problem()
+    config = GuardConfig(pixel_mean=MEAN, pixel_std=STD, seed=3, max_rel_noise=40.0, max_excluded=0.25)
+    with DropoutDraws() as drawing:
+        loss = nn.functional.cross_entropy(model(x), y)
+    gradient = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, list(model.parameters()))])
+    withheld = Guard(config).protect(model, x, y, gradient)
+    assert withheld.gradient is None and "masks the guard does not know" in withheld.report.reason
+    sent = Guard(config).protect(model, x, y, gradient, draws=drawing.finish())
+    assert sent.gradient is not None and sent.report.met, sent.report.reason
+
+
+def test_a_pass_that_calls_other_dropouts_than_were_recorded_is_refused():
+    """Replay is by call order: a replayed pass with another number of dropout calls raises, naming the count."""
+    model, x, _ = _problem()
+    params = dict(model.named_parameters())
+    with DropoutDraws() as drawing:
+        model(x)
+    draws = drawing.finish()
+    with pytest.raises(ValueError, match="did not call"):
+        functional_forward(model, params, x, draws[:1])
+    with pytest.raises(ValueError, match="called 2 train-mode dropouts where the recorded pass drew 3"):
+        functional_forward(model, params, x, (*draws, draws[1]))
+
+
+class _DropsAcrossTheBatch(nn.Module):
+    """Dropout on a transposed activation: its first dimension is the features, not the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.Linear(12, 3), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.drop(x.flatten(1).t()).t())
+
+
+def test_make_guarded_refuses_masks_it_cannot_give_each_sample_and_random_layers_it_does_not_replay():
+    """A dropout whose first dimension is not the batch cannot be split per sample: the step is refused (nothing
+    applied, ``.grad`` cleared). Alpha dropout and stochastic depth are still listed by ``check_model``; PyTorch's
+    dropout layers are not."""
+    model = _DropsAcrossTheBatch().double()
+    before = [p.detach().clone() for p in model.parameters()]
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                               nn.CrossEntropyLoss(), GuardConfig(seed=0))
+    x, y = torch.randn(4, 3, 2, 2, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    with pytest.raises(GuardMisuse, match="first dimension is not the batch"):
+        optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert check_model(nn.Sequential(nn.Dropout(0.5), nn.Dropout1d(0.2), nn.Dropout2d(0.1), nn.Dropout3d(0.3))) == []
+    problems = check_model(nn.Sequential(nn.Linear(2, 2), nn.AlphaDropout(0.2), nn.FeatureAlphaDropout(0.1)))
+    assert [p.split(":")[0] for p in problems] == ["1", "2"] and "nn.Dropout" in problems[0]
+
+
+def test_accumulated_micro_batches_and_a_mixed_precision_pass_replay_their_masks():
+    """Two micro-batches accumulated in ``.grad`` (each pass's masks, concatenated) and a bfloat16 autocast pass
+    (its masks recomputed in float32) are both found in ``.grad`` and sent."""
+    model, x, y = _problem(batch=8)
+    model = model.float()
+    x = x.float()
+    config = GuardConfig(pixel_mean=MEAN, pixel_std=STD, seed=1, max_rel_noise=40.0, max_excluded=0.25)
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                               nn.CrossEntropyLoss(), config)
+    optimizer.zero_grad()
+    for part in (slice(0, 4), slice(4, 8)):
+        criterion(model(x[part]), y[part]).backward()
+    optimizer.step()
+    assert optimizer.guard_reports[-1].details["micro_batches"] == 2
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = criterion(model(x), y)
+    loss.backward()
+    optimizer.step()
+    assert len(optimizer.guard_reports) == 2

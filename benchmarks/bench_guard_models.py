@@ -107,13 +107,14 @@ def _median_max(values: list[float]) -> str | None:
 
 def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, device: str, seed: int,
            settings: dict, products: str = "auto", compile_mode: str | None = None, transposed: str = "default",
-           shrink: str = "default") -> dict:
+           shrink: str = "default", dropout: str = "train") -> dict:
     """One local round in this (child) process; its measurements and this process's peak RSS. ``products``:
     the operator's path, "auto" (its own choice) or forced "cached" / "direct" (``CACHED_UP_TO`` set here);
     ``compile_mode``: the K products through ``torch.compile`` in this mode (``COMPILE_PRODUCTS``); ``transposed``
     "on"/"off": the cached Jᵀ pullback built with convolutions' input gradients as transposed convolutions or not
     (``CACHED_TRANSPOSED_INPUT_GRADS``; "default": as shipped); ``shrink`` "on"/"off": the solves' products on their
-    still-iterating samples or on the whole batch (``SHRINK_TO_ACTIVE``; "default": as shipped)."""
+    still-iterating samples or on the whole batch (``SHRINK_TO_ACTIVE``; "default": as shipped); ``dropout`` "eval": the
+    model's nn.Dropout layers off in both rounds (what the guard asked before it replayed their masks)."""
     from flguard import GuardConfig, GuardFailure, make_guarded
     from flguard.risk import operator, regularised, sizing
 
@@ -133,6 +134,10 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
     model, (x, y), test, data = _task(name, train_steps, device, seed)
     before = accuracy(model, *test)
     model.train()
+    if dropout == "eval":
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.eval()
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE[name] / 5)
     criterion = torch.nn.CrossEntropyLoss()
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed + 1))[:steps * batch]
@@ -195,6 +200,9 @@ def main() -> None:
     parser.add_argument("--shrink", choices=["default", "on", "off"], default="default",
                         help="the solves' products on their still-iterating samples (SHRINK_TO_ACTIVE) or on the "
                              "whole batch; default: as shipped")
+    parser.add_argument("--dropout", choices=["train", "eval"], default="train",
+                        help="the rounds' nn.Dropout layers training (their masks replayed by the guard) or in eval "
+                             "mode (both rounds)")
     parser.add_argument("--guard", nargs="*", default=[], metavar="FIELD=VALUE",
                         help="GuardConfig fields beyond the normalisation (default: none, i.e. the defaults), "
                              "e.g. clip_per_sample=median max_rel_noise=40 max_excluded=0.25 rtol=0.01")
@@ -203,9 +211,10 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         for batch in (int(b) for b in args.batch.split(",")):
-            plain = in_child(_round, name, batch, args.steps, args.train_steps, False, args.device, args.seed, settings)
+            plain = in_child(_round, name, batch, args.steps, args.train_steps, False, args.device, args.seed, settings,
+                             "auto", None, "default", "default", args.dropout)
             guard = in_child(_round, name, batch, args.steps, args.train_steps, True, args.device, args.seed, settings,
-                             args.products, args.compile_mode, args.transposed, args.shrink)
+                             args.products, args.compile_mode, args.transposed, args.shrink, args.dropout)
             row = dict(model=name, guard=" ".join(args.guard) or "defaults", params=plain["params"], B=batch, steps=args.steps, device=args.device,
                        train_ms=plain["ms"], guard_ms=guard["ms"], ratio=guard["ms"] / plain["ms"],
                        train_ms_here=guard["here_ms"], ratio_here=guard["ms"] / guard["here_ms"],
@@ -223,6 +232,8 @@ def main() -> None:
                 row["transposed"] = args.transposed
             if args.shrink != "default":
                 row["shrink"] = args.shrink
+            if args.dropout != "train":
+                row["dropout"] = args.dropout
             if guard["gpu_gb"] is not None:  # on a CUDA device: the peak of its allocator, each round's own
                 row.update(gpu_train_gb=plain["gpu_gb"], gpu_guard_gb=guard["gpu_gb"])
             rows.append(row)

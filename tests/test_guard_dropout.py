@@ -118,13 +118,10 @@ def test_the_operator_replays_each_samples_masks_on_every_path_against_dense_flo
     torch.testing.assert_close(op.batch_gradient(), per.mean(0), **close)
 
 
-def test_make_guarded_sends_a_dropout_models_step_certified_against_dense_float64():
-    """The user's loop with Dropout2d and Dropout in train mode, unchanged: the step is guarded (it was refused),
-    ``.grad`` is the gradient of the user's own pass — its masks read off the layers by hooks — and the noise sent
-    certifies every kept sample against dense float64 I²F of that masked map."""
+def _guarded_step(config: GuardConfig):
+    """One ``make_guarded`` SGD step (lr 0, so ``.grad`` keeps what was sent) of ``_problem``'s model under ``config``:
+    (model, x, y, its report, the reference forward pass with the masks the hooks read off the user's pass)."""
     model, x, y = _problem()
-    config = GuardConfig(pixel_mean=MEAN, pixel_std=STD, seed=3, clip_per_sample="median", max_excluded=0.25,
-                         max_rel_noise=40.0, rtol=1e-2)
     model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.0),
                                                nn.CrossEntropyLoss(), config)
     seen, handles = _masks_of_the_next_pass(model)
@@ -135,26 +132,24 @@ def test_make_guarded_sends_a_dropout_models_step_certified_against_dense_float6
     optimizer.step()
     report = optimizer.guard_reports[0]
     assert report.met, report.reason
-    assert_certified_on_dense_float64(model, x, y, config, report,
-                                      forward=_masked_forward(model, seen["channel"], seen["feature"]))
+    return model, x, y, report, _masked_forward(model, seen["channel"], seen["feature"])
+
+
+def test_make_guarded_sends_a_dropout_models_step_certified_against_dense_float64():
+    """The user's loop with Dropout2d and Dropout in train mode, unchanged: the step is guarded (it was refused),
+    ``.grad`` is the gradient of the user's own pass — its masks read off the layers by hooks — and the noise sent
+    certifies every kept sample against dense float64 I²F of that masked map."""
+    config = GuardConfig(pixel_mean=MEAN, pixel_std=STD, seed=3, clip_per_sample="median", max_excluded=0.25,
+                         max_rel_noise=40.0, rtol=1e-2)
+    model, x, y, report, forward = _guarded_step(config)
+    assert_certified_on_dense_float64(model, x, y, config, report, forward=forward)
 
 
 def test_the_unclipped_step_of_a_dropout_model_meets_the_floor_against_dense_float64():
     """Without per-sample clipping the guard sends ``.grad`` itself plus noise: that gradient is the user's pass's
     (masks read off by hooks), and the noise gives each sample dense I²F ≥ τ of the masked map, as reported."""
-    model, x, y = _problem()
     config = unclipped(defense="gaussian", min_rmse=0.2, max_rel_noise=1e4, seed=0)
-    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.0),
-                                               nn.CrossEntropyLoss(), config)
-    seen, handles = _masks_of_the_next_pass(model)
-    optimizer.zero_grad()
-    criterion(model(x), y).backward()
-    for handle in handles:
-        handle.remove()
-    optimizer.step()
-    report = optimizer.guard_reports[0]
-    assert report.met, report.reason
-    forward = _masked_forward(model, seen["channel"], seen["feature"])
+    model, x, y, report, forward = _guarded_step(config)
     jac = clipped_upload_jacobians(model, x, y, 1.0, torch.zeros(6, dtype=torch.bool), forward)
     params = {n: p.detach() for n, p in model.named_parameters()}
     gradient = torch.stack([sample_gradient(model, forward, params, x[i], y[i], i) for i in range(6)]).mean(0)
@@ -264,3 +259,37 @@ def test_accumulated_micro_batches_and_a_mixed_precision_pass_replay_their_masks
     loss.backward()
     optimizer.step()
     assert len(optimizer.guard_reports) == 2
+
+
+class _FunctionalDropout(nn.Module):
+    """``F.dropout`` called in ``forward``, with or without an ``nn.Dropout`` layer beside it."""
+
+    def __init__(self, with_layer: bool) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 6), nn.Linear(6, 3)
+        self.drop = nn.Dropout(0.2) if with_layer else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.dropout(torch.tanh(self.fc1(x.flatten(1))), 0.5, self.training)
+        return self.fc2(self.drop(h))
+
+
+@pytest.mark.parametrize("with_layer", [False, True])
+def test_a_dropout_called_as_a_function_is_replayed_beside_a_layer_and_named_without_one(with_layer):
+    """A model with an nn.Dropout layer has every dropout of its pass recorded, a functional one too: sent. Without
+    any layer nothing is recorded, and the step is refused naming nn.Dropout, nothing applied."""
+    torch.manual_seed(0)
+    model = _FunctionalDropout(with_layer).double()
+    before = [p.detach().clone() for p in model.parameters()]
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                               nn.CrossEntropyLoss(), GuardConfig(seed=0, max_rel_noise=40.0))
+    x, y = torch.randn(6, 3, 2, 2, dtype=torch.float64), torch.arange(6) % 3
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    if with_layer:
+        optimizer.step()
+        assert optimizer.guard_reports[0].met
+        return
+    with pytest.raises(GuardMisuse, match="use nn.Dropout"):
+        optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

@@ -318,8 +318,8 @@ def _run_draws(run: list[RecordedPass], batch: int) -> tuple[torch.Tensor, ...]:
     dimension is not the batch (``flguard.risk.dropout_draws.check_batch``)."""
     counts = {len(recorded.draws) for recorded in run}
     if len(counts) != 1:
-        raise GuardMisuse(f"{len(run)} micro-batches accumulated in .grad whose forward passes called different numbers "
-                          f"of train-mode dropouts {sorted(counts)}: the guard measures them as one batch")
+        raise GuardMisuse(f"{len(run)} micro-batches accumulated in .grad whose forward passes called different "
+                          f"numbers of train-mode dropouts {sorted(counts)}: the guard measures them as one batch")
     try:
         return check_batch([torch.cat(parts) for parts in zip(*(recorded.draws for recorded in run))], batch)
     except ValueError as error:

@@ -1,6 +1,6 @@
-"""Architectures: Flower's quickstart CNN, PyTorch's MNIST example with dropout, the I2F LeNet, Chen & Campbell's CNN variants, an MLP, a linear
-model, ResNet-18 (BatchNorm, for the attack studies) and the GroupNorm ResNets the guard certifies
-(``flguard.models.resnet``)."""
+"""Architectures: Flower's quickstart CNN, PyTorch's MNIST example with dropout, the I2F LeNet, Chen & Campbell's
+CNN variants, an MLP, a linear model, ResNet-18 (BatchNorm, for the attack studies) and the GroupNorm ResNets the
+guard certifies (``flguard.models.resnet``)."""
 
 from __future__ import annotations
 

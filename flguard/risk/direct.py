@@ -36,7 +36,8 @@ class DirectProducts:
         with plain autograd instead of ``vmap`` (``flguard.risk.sample_autograd``: a fifth less time there)."""
         return ONE_AT_A_TIME and self.direct and self.sample_chunk == 1
 
-    def _jt_one(self, xi: torch.Tensor, yi: torch.Tensor, di: tuple[torch.Tensor, ...], ui: torch.Tensor) -> torch.Tensor:
+    def _jt_one(self, xi: torch.Tensor, yi: torch.Tensor, di: tuple[torch.Tensor, ...],
+                ui: torch.Tensor) -> torch.Tensor:
         """Unscaled J̃_iᵀu [dθ] of one sample, reverse-over-reverse: ∇_θ ⟨∇_x ℓ(x_i), u⟩ — the derivative of
         ∇_θ ℓ(x_i + t·u) at t = 0, by the symmetry of ℓ's mixed second derivatives. Measured against
         forward-over-reverse (one CPU thread, × a training step): quickstart CNN B = 32 3.7× vs 6.1×,

@@ -64,7 +64,10 @@ class DropoutDraws(TorchFunctionMode):
             if self.used == len(self.draws):
                 raise ValueError(f"a train-mode {func.__name__} that the recorded pass did not call (it drew "
                                  f"{len(self.draws)} masks): the guard replays the masks of the pass that made the "
-                                 "gradient, in order — the model's forward pass must call the same dropouts each time")
+                                 "gradient, in order — the model's forward pass must call the same dropouts each time, "
+                                 "and make_guarded records them where the model has an nn.Dropout layer in train mode "
+                                 "(a dropout called as a function in a model without one is not recorded: use "
+                                 "nn.Dropout)")
             multiplier = self.draws[self.used].to(inputs.dtype)
             self.used += 1
             return inputs * multiplier  # out of place: the guard's passes differentiate through the input
@@ -111,6 +114,16 @@ def as_one_sample(draws: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return tuple(multiplier.unsqueeze(0) for multiplier in draws)
 
 
+def refuse_unreplayed(model: nn.Module) -> None:
+    """``ValueError`` for a train-mode dropout layer whose masks are not replayed (alpha dropout): the Jacobian of a
+    freshly random map is not a property of the sample."""
+    for name, module in model.named_modules():
+        if (isinstance(module, nn.modules.dropout._DropoutNd) and not isinstance(module, REPLAYED_LAYERS)
+                and module.training and module.p > 0):
+            raise ValueError(f"module {name!r} is a train-mode {type(module).__name__}, whose masks the guard does "
+                             "not replay; call .eval() on it or remove it before measuring leakage")
+
+
 def active_dropouts(model: nn.Module) -> list[str]:
     """The paths of ``model``'s train-mode dropout layers with p > 0 that the guard replays (``REPLAYED_LAYERS``)."""
     return [name or "<model>" for name, module in model.named_modules()
@@ -118,4 +131,4 @@ def active_dropouts(model: nn.Module) -> list[str]:
 
 
 __all__ = ["DROPOUT_FUNCTIONS", "REPLAYED_LAYERS", "DropoutDraws", "active_dropouts", "as_one_sample", "check_batch",
-           "sample_rows"]
+           "refuse_unreplayed", "sample_rows"]

@@ -46,7 +46,7 @@ from flguard.risk import sizing
 from flguard.risk.limits import ProductLimit, ProductLimitReached  # noqa: F401  (re-exported: the operator charges them)
 from flguard.risk.precision import on_exact_float32
 from flguard.risk.direct import DirectProducts
-from flguard.risk.dropout_draws import REPLAYED_LAYERS, DropoutDraws, as_one_sample, check_batch, sample_rows
+from flguard.risk.dropout_draws import DropoutDraws, as_one_sample, check_batch, refuse_unreplayed, sample_rows
 from flguard.risk.functional import functional_forward, uncompiled
 from flguard.risk.loss_split import split_loss
 from flguard.risk.sample_autograd import SampleAutograd
@@ -69,16 +69,6 @@ def default_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def has_batch_coupling(model: nn.Module) -> bool:
     """True when a module mixes samples in the forward pass (train-mode BatchNorm)."""
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
-
-
-def check_deterministic(model: nn.Module) -> None:
-    """Refuse a train-mode dropout layer whose masks are not replayed (``flguard.risk.dropout_draws``: alpha
-    dropout): the Jacobian of a freshly random map is not a property of the sample."""
-    for name, module in model.named_modules():
-        if (isinstance(module, nn.modules.dropout._DropoutNd) and not isinstance(module, REPLAYED_LAYERS)
-                and module.training and module.p > 0):
-            raise ValueError(f"module {name!r} is a train-mode {type(module).__name__}, whose masks the guard does "
-                             "not replay; call .eval() on it or remove it before measuring leakage")
 
 
 @contextlib.contextmanager
@@ -114,7 +104,7 @@ class JacobianOperator(DirectProducts):
                  limit: ProductLimit | None = None, products: Literal["auto", "cached", "direct"] = "auto",
                  draws: Sequence[torch.Tensor] | None = None) -> None:
         model = uncompiled(model)  # a torch.compile'd model: its own module, the same parameters
-        check_deterministic(model)
+        refuse_unreplayed(model)
         self.model = model
         self.loss_fn = loss_fn or default_loss
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]

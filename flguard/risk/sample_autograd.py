@@ -88,7 +88,8 @@ class SampleAutograd:
             return [torch.zeros_like(p) for p in self.values]
         return list(torch.autograd.grad(dot, leaves, allow_unused=True, materialize_grads=True))
 
-    def j(self, xi: torch.Tensor, yi: torch.Tensor, di: Draws, v: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    def j(self, xi: torch.Tensor, yi: torch.Tensor, di: Draws,
+          v: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """J_iv = ∇_x⟨∇_z ℓ, ż⟩ (module doc), v [dθ] or one tensor per parameter → [dx]."""
         x = xi.detach().requires_grad_(True)
         pieces = torch.split(v, self.sizes) if isinstance(v, torch.Tensor) else v

@@ -293,3 +293,21 @@ def test_a_dropout_called_as_a_function_is_replayed_beside_a_layer_and_named_wit
     with pytest.raises(GuardMisuse, match="use nn.Dropout"):
         optimizer.step()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_the_simulations_local_sgd_guards_a_dropout_model_inside_a_guard_session():
+    """``flguard.simulation.task.local_sgd`` (the ClientApp's training, ``guard_step`` on every step) records each
+    pass's masks and hands them to the guard: every step of the zoo's dropout CNN is sent."""
+    from flguard.data import ImageDataset
+    from flguard.guard.session import open_session
+    from flguard.models import create
+    from flguard.simulation.task import local_sgd
+
+    torch.manual_seed(0)
+    images, labels = torch.rand(24, 1, 8, 8), torch.arange(24) % 3
+    data = ImageDataset("tiny", images, labels, ("a", "b", "c"), (0.5,), (0.3,))
+    model = create("dropout_cnn", in_channels=1, num_classes=3, image_size=8)
+    guard = Guard(GuardConfig(pixel_mean=(0.5,), pixel_std=(0.3,), seed=2, max_rel_noise=40.0, max_excluded=0.25))
+    with open_session(guard) as session:
+        local_sgd(model, data, lr=0.05, steps=2, batch_size=6, generator=torch.Generator().manual_seed(0))
+    assert len(session.reports) == 2 and all(report.met for report in session.reports), session.reports

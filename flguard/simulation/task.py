@@ -27,6 +27,7 @@ from torch import nn
 
 from flguard.data import ImageDataset, load, partition
 from flguard.flower.guard_mod import guard_step
+from flguard.risk.dropout_draws import DropoutDraws
 from flguard.simulation.truth import record_batch
 from flguard.models import create
 
@@ -265,11 +266,12 @@ def local_sgd(model: nn.Module, data: ImageDataset, *, lr: float, steps: int, ba
         start = (step * size) % (len(data) - len(data) % size or len(data))
         index = order[start:start + size]
         x, y = data.normalize(data.images[index]), data.labels[index]
-        loss = nn.functional.cross_entropy(model(x), y)
+        with DropoutDraws() as drawing:  # a dropout model's masks, which the guard replays
+            loss = nn.functional.cross_entropy(model(x), y)
         grads = torch.autograd.grad(loss, params)
         norms.append(float(torch.sqrt(sum(g.detach().pow(2).sum() for g in grads))))
         guard_start = time.perf_counter()
-        grads = guard_step(model, x, y, grads, step_size=lr)  # identity without guard_mod
+        grads = guard_step(model, x, y, grads, step_size=lr, draws=drawing.finish())  # identity without guard_mod
         guard_time += time.perf_counter() - guard_start
         with torch.no_grad():
             for p, g in zip(params, grads):

@@ -176,8 +176,10 @@ def assert_certified_on_dense_float64(model, x, y, config, report, forward=None)
     lam = torch.linalg.eigvalsh(kernel)[:, -1]
     eps = config.eps * lam
     b = jac @ noise
-    shift = torch.linalg.solve(kernel + eps.view(-1, 1, 1) * torch.eye(kernel.shape[1], dtype=kernel.dtype),
-                               b.unsqueeze(-1)).squeeze(-1)
+    shift = torch.zeros_like(b)  # a left-out sample's block may be zero (no gradient): solved for the kept ones
+    shift[kept] = torch.linalg.solve(kernel[kept] + eps[kept].view(-1, 1, 1) * torch.eye(kernel.shape[1],
+                                                                                         dtype=kernel.dtype),
+                                     b[kept].unsqueeze(-1)).squeeze(-1)
     low = ((0 - torch.tensor(config.pixel_mean)) / torch.tensor(config.pixel_std)).view(1, 3, 1, 1).double()
     high = ((1 - torch.tensor(config.pixel_mean)) / torch.tensor(config.pixel_std)).view(1, 3, 1, 1).double()
     moved = torch.clamp(x + shift.view_as(x), low, high) - x

@@ -12,10 +12,11 @@ import pytest
 import torch
 from torch import nn
 
+import flguard
 from flguard import GuardConfig, check_model, make_guarded
 from flguard.guard import Guard
 from flguard.guard.recorder import GuardMisuse
-from flguard.risk.dropout_draws import DropoutDraws
+from flguard.risk.dropout_draws import DropoutDraws, ReplayedDropPath
 from flguard.risk.functional import functional_forward
 from flguard.risk.operator import JacobianOperator
 from guard_settings import unclipped
@@ -26,8 +27,9 @@ MEAN, STD = (0.5, 0.4, 0.3), (0.25, 0.2, 0.3)
 
 
 class DropoutResNet(nn.Module):
-    """A 3-channel residual block with GroupNorm, channel dropout on its branch, pooling and element dropout before
-    the head; with ``fixed`` = (channel multipliers [1, C, 1, 1], feature multipliers [1, C]) it multiplies by those
+    """A 3-channel residual block with GroupNorm, channel dropout and stochastic depth (``ReplayedDropPath``, what
+    ``fix_model`` makes of torchvision's) on its branch, pooling and element dropout before the head; with ``fixed`` =
+    (channel multipliers [1, C, 1, 1], the branch's [1, 1, 1, 1], feature multipliers [1, C]) it multiplies by those
     instead of dropping — the reference forward pass of one sample with its masks."""
 
     def __init__(self, width: int = 4, classes: int = 3) -> None:
@@ -37,17 +39,18 @@ class DropoutResNet(nn.Module):
         self.conv = nn.Conv2d(width, width, 3, padding=1)
         self.gn1 = nn.GroupNorm(2, width)
         self.drop2d = nn.Dropout2d(0.25)
+        self.drop_path = ReplayedDropPath(0.3)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.drop = nn.Dropout(0.5)
         self.fc = nn.Linear(width, classes)
-        self.fixed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fixed: tuple[torch.Tensor, ...] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.gn0(self.stem(x)))
         branch = self.gn1(self.conv(h))
-        branch = branch * self.fixed[0] if self.fixed is not None else self.drop2d(branch)
+        branch = branch * self.fixed[0] * self.fixed[1] if self.fixed is not None else self.drop_path(self.drop2d(branch))
         z = self.pool(torch.relu(h + branch)).flatten(1)
-        z = z * self.fixed[1] if self.fixed is not None else self.drop(z)
+        z = z * self.fixed[2] if self.fixed is not None else self.drop(z)
         return self.fc(z)
 
 
@@ -58,12 +61,12 @@ def _problem(batch: int = 6, seed: int = 0):
     return model, x, torch.arange(batch) % 3
 
 
-def _masked_forward(model: DropoutResNet, channel: torch.Tensor, feature: torch.Tensor):
+def _masked_forward(model: DropoutResNet, masks: tuple[torch.Tensor, ...]):
     """``forward(params, x_i[None], i)`` for the dense references: sample i's pass with its masks as plain tensors."""
     from torch.func import functional_call
 
     def forward(params, inputs, i):
-        model.fixed = (channel[i:i + 1], feature[i:i + 1])
+        model.fixed = tuple(mask[i:i + 1] for mask in masks)
         try:
             return functional_call(model, params, (inputs,))
         finally:
@@ -76,13 +79,15 @@ def _masks_of_the_next_pass(model: DropoutResNet):
     the input is 0 — a feature that is 0 before its dropout has no derivative through it either)."""
     seen: dict[str, torch.Tensor] = {}
 
-    def hook(name):
+    def hook(name, dims):
         def read(module, args, output):
             if name not in seen:
                 ratio = torch.where(args[0] != 0, output / args[0], torch.zeros_like(output)).detach()
-                seen[name] = ratio.amax((2, 3), keepdim=True) if ratio.dim() == 4 else ratio
+                seen[name] = ratio.amax(dims, keepdim=True) if dims else ratio
         return read
-    handles = [model.drop2d.register_forward_hook(hook("channel")), model.drop.register_forward_hook(hook("feature"))]
+    handles = [model.drop2d.register_forward_hook(hook("channel", (2, 3))),
+               model.drop_path.register_forward_hook(hook("path", (1, 2, 3))),
+               model.drop.register_forward_hook(hook("feature", ()))]
     return seen, handles
 
 
@@ -96,11 +101,11 @@ def test_the_operator_replays_each_samples_masks_on_every_path_against_dense_flo
     op = JacobianOperator(model, x, y, products="cached" if path == "cached" else "direct")
     if path == "one at a time":
         op.sample_chunk = 1
-    assert op.one_at_a_time == (path == "one at a time") and op.drew_masks and len(op.draws) == 2
-    channel, feature = op.draws
-    assert channel.shape == (6, 4, 1, 1) and feature.shape == (6, 4)
+    assert op.one_at_a_time == (path == "one at a time") and op.drew_masks and len(op.draws) == 3
+    channel, branch, feature = op.draws
+    assert channel.shape == (6, 4, 1, 1) and branch.shape == (6, 1, 1, 1) and feature.shape == (6, 4)
     assert set(channel.unique().tolist()) <= {0.0, 1 / 0.75} and set(feature.unique().tolist()) <= {0.0, 2.0}
-    forward = _masked_forward(model, channel, feature)
+    forward = _masked_forward(model, op.draws)
     jac = clipped_upload_jacobians(model, x, y, 1.0, torch.zeros(6, dtype=torch.bool), forward)  # (1/B) J̃_i
     g = torch.Generator().manual_seed(1)
     v = torch.randn(6, 2, op.dtheta, generator=g, dtype=torch.float64)
@@ -118,10 +123,10 @@ def test_the_operator_replays_each_samples_masks_on_every_path_against_dense_flo
     torch.testing.assert_close(op.batch_gradient(), per.mean(0), **close)
 
 
-def _guarded_step(config: GuardConfig):
+def _guarded_step(config: GuardConfig, seed: int = 0):
     """One ``make_guarded`` SGD step (lr 0, so ``.grad`` keeps what was sent) of ``_problem``'s model under ``config``:
     (model, x, y, its report, the reference forward pass with the masks the hooks read off the user's pass)."""
-    model, x, y = _problem()
+    model, x, y = _problem(seed=seed)
     model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.0),
                                                nn.CrossEntropyLoss(), config)
     seen, handles = _masks_of_the_next_pass(model)
@@ -132,7 +137,7 @@ def _guarded_step(config: GuardConfig):
     optimizer.step()
     report = optimizer.guard_reports[0]
     assert report.met, report.reason
-    return model, x, y, report, _masked_forward(model, seen["channel"], seen["feature"])
+    return model, x, y, report, _masked_forward(model, (seen["channel"], seen["path"], seen["feature"]))
 
 
 def test_make_guarded_sends_a_dropout_models_step_certified_against_dense_float64():
@@ -149,7 +154,9 @@ def test_the_unclipped_step_of_a_dropout_model_meets_the_floor_against_dense_flo
     """Without per-sample clipping the guard sends ``.grad`` itself plus noise: that gradient is the user's pass's
     (masks read off by hooks), and the noise gives each sample dense I²F ≥ τ of the masked map, as reported."""
     config = unclipped(defense="gaussian", min_rmse=0.2, max_rel_noise=1e4, seed=0)
-    model, x, y, report, forward = _guarded_step(config)
+    # seeds 0 and 1 draw a sample whose noise has no measurable effect (its gradient does not move with its input, as
+    # when all four features are dropped), which the unclipped guard, leaving no sample out, cannot certify: it withholds
+    model, x, y, report, forward = _guarded_step(config, seed=2)
     jac = clipped_upload_jacobians(model, x, y, 1.0, torch.zeros(6, dtype=torch.bool), forward)
     params = {n: p.detach() for n, p in model.named_parameters()}
     gradient = torch.stack([sample_gradient(model, forward, params, x[i], y[i], i) for i in range(6)]).mean(0)
@@ -204,7 +211,7 @@ def test_a_pass_that_calls_other_dropouts_than_were_recorded_is_refused():
     draws = drawing.finish()
     with pytest.raises(ValueError, match="did not call"):
         functional_forward(model, params, x, draws[:1])
-    with pytest.raises(ValueError, match="called 2 train-mode dropouts where the recorded pass drew 3"):
+    with pytest.raises(ValueError, match="called 3 train-mode dropouts where the recorded pass drew 4"):
         functional_forward(model, params, x, (*draws, draws[1]))
 
 
@@ -311,3 +318,66 @@ def test_the_simulations_local_sgd_guards_a_dropout_model_inside_a_guard_session
     with open_session(guard) as session:
         local_sgd(model, data, lr=0.05, steps=2, batch_size=6, generator=torch.Generator().manual_seed(0))
     assert len(session.reports) == 2 and all(report.met for report in session.reports), session.reports
+
+
+class DropPath(nn.Module):
+    """timm's ``DropPath``, by name and attributes (timm is not a dependency)."""
+
+    def __init__(self, drop_prob: float, scale_by_keep: bool = True) -> None:
+        super().__init__()
+        self.drop_prob, self.scale_by_keep = drop_prob, scale_by_keep
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_fix_model_replaces_stochastic_depth_by_a_replayed_drop_path_of_the_same_law():
+    """torchvision's ConvNeXt-T lists 17 StochasticDepth layers, each naming fix_model; the fixed copy lists none,
+    computes the same eval-mode output, and each ReplayedDropPath keeps the layer's probability. Its draws are one per
+    sample, kept with probability 1 − p and scaled by 1/(1 − p) (timm's ``scale_by_keep=False``: unscaled). Batch
+    mode (one draw for the whole batch) is refused by name."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    convnext = torchvision.models.convnext_tiny(num_classes=10)
+    listed = check_model(convnext)
+    assert len(listed) == 17 and all("StochasticDepth" in p and "fix_model" in p for p in listed)
+    fixed = flguard.fix_model(convnext)
+    assert check_model(fixed) == []
+    depths = [m for m in fixed.modules() if isinstance(m, ReplayedDropPath)]
+    originals = [m for m in convnext.modules() if type(m).__name__ == "StochasticDepth"]
+    assert len(depths) == 18 and [d.p for d in depths] == [o.p for o in originals]
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(fixed.eval()(x), convnext.eval()(x), rtol=0, atol=0)
+    timm_like = flguard.fix_model(nn.Sequential(nn.Linear(3, 3), DropPath(0.4, scale_by_keep=False)))
+    assert isinstance(timm_like[1], ReplayedDropPath) and not timm_like[1].scale_by_keep
+    ones = torch.ones(20000, 2, 3)
+    with DropoutDraws() as drawing:
+        dropped, unscaled = ReplayedDropPath(0.3)(ones), timm_like[1](ones)
+    kept = dropped[:, 0, 0] > 0
+    assert torch.equal(dropped, kept.double().div(0.7).float().view(-1, 1, 1).expand_as(ones))
+    assert abs(float(kept.double().mean()) - 0.7) < 5 * (0.21 / 20000) ** 0.5
+    assert unscaled.unique().tolist() == [0.0, pytest.approx(1.0)] and len(drawing.finish()) == 2
+    with pytest.raises(ValueError, match=r"features\.1\.0\.stochastic_depth is StochasticDepth\(mode='batch'\)"):
+        convnext.features[1][0].stochastic_depth.mode = "batch"
+        flguard.fix_model(convnext)
+
+
+def test_a_fixed_convnext_with_stochastic_depth_is_guarded_as_it_trains():
+    """torchvision's ConvNeXt (two stages, stochastic depth 0.5 — LayerNorm on a channels-last view, permutes, layer
+    scale) through ``fix_model`` and ``make_guarded``: every step's drop-path draws are replayed — the recomputed
+    gradient is ``.grad`` — and both steps are sent."""
+    torchvision = pytest.importorskip("torchvision")
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+
+    torch.manual_seed(0)
+    model = flguard.fix_model(ConvNeXt([CNBlockConfig(8, 16, 1), CNBlockConfig(16, None, 1)],
+                                       stochastic_depth_prob=0.5, num_classes=3)).train()
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                                               nn.CrossEntropyLoss(),
+                                               GuardConfig(pixel_mean=MEAN, pixel_std=STD, seed=0, max_rel_noise=40.0))
+    x, y = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 0])
+    for _ in range(2):
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        optimizer.step()
+    assert [r.met for r in optimizer.guard_reports] == [True, True]

@@ -40,7 +40,7 @@ from flguard.risk.sizing import release_freed_memory
 __all__ = ["Guard", "GuardFailure", "clip_level"]
 
 UNKNOWN_MASKS = ("the model has train-mode dropout, and the gradient was made with masks the guard does not know: "
-                 "pass the pass's draws (Guard.protect(..., draws=…), flguard.risk.dropout_draws.DropoutDraws), or "
+                 "pass the pass's draws (Guard.protect(..., draws=…), flguard.guard.DropoutDraws), or "
                  "guard the loop with make_guarded, which records them")
 
 

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from flguard.guard.frozen_batchnorm import FrozenBatchNorm
-from flguard.risk.dropout_draws import REPLAYED_LAYERS
+from flguard.risk.dropout_draws import DROP_PATHS, REPLAYED_LAYERS, ReplayedDropPath
 
 
 class UnsupportedModel(ValueError):
@@ -93,11 +93,13 @@ def model_problems(model: nn.Module) -> list[tuple[str, str]]:
                              "updates its running statistics from the batch, unguarded; fix: "
                              "track_running_stats=False"))
         elif module.training and (drop := _random_drop(module))[1] > 0:
+            fix = ("flguard.fix_model(model) replaces it by a ReplayedDropPath, the same per-sample drop drawn where "
+                   "the guard replays it" if type(module).__name__ in DROP_PATHS else
+                   "use nn.Dropout, remove it, set its probability to 0, or call .eval() on it")
             problems.append(("dropout", f"{where}: {type(module).__name__}({drop[0]}={drop[1]:.3g}) in train "
                              "mode drops at random in a way the guard does not replay (it replays nn.Dropout and "
                              "nn.Dropout1d/2d/3d), so the per-sample Jacobian is undefined and the gradient cannot be "
-                             "reproduced; fix: use nn.Dropout, remove it, set its probability to 0, or call .eval() "
-                             "on it"))
+                             f"reproduced; fix: {fix}"))
     return problems
 
 
@@ -163,9 +165,12 @@ def fix_model(model: nn.Module, batchnorm: str = "groupnorm") -> nn.Module:
     model): a ``FrozenBatchNorm`` that normalises with the BatchNorm's running statistics as they stand — the very map
     the pretrained network computes in eval mode, now in train mode too, per sample; a BatchNorm without running
     statistics is refused by name. The copy's parameters are new tensors: build the optimizer (and ``make_guarded``)
-    on the returned model. A BatchNorm given as the whole model is replaced too. Random layers are left as they
-    are: ``nn.Dropout`` is guarded with its masks replayed, and the others (``check_model`` lists them in train mode)
-    are the user's to change — removing one changes the regularisation."""
+    on the returned model. A BatchNorm given as the whole model is replaced too. Stochastic depth (torchvision's
+    ``StochasticDepth`` in row mode — EfficientNet, ConvNeXt, Swin — and timm's ``DropPath``) is replaced by a
+    ``ReplayedDropPath`` of the same probability: the same per-sample drop, drawn where the guard records and replays
+    it (batch mode, one draw for the whole batch, is refused by name). ``nn.Dropout`` is guarded as it is, its masks
+    replayed; the other random layers (``check_model`` lists them in train mode) are the user's to change — removing
+    one changes the regularisation."""
     if not isinstance(model, nn.Module):
         raise TypeError("fix_model: model must be a torch.nn.Module")
     if batchnorm not in BATCHNORM_FIXES:
@@ -182,11 +187,16 @@ def fix_model(model: nn.Module, batchnorm: str = "groupnorm") -> nn.Module:
         _warn_untrained(model)
     if isinstance(model, nn.modules.batchnorm._BatchNorm):
         return replaced(model, "")
+    if type(model).__name__ in DROP_PATHS:
+        return ReplayedDropPath.replacing(model, "")
     fixed = copy.deepcopy(model)
     for parent_name, parent in list(fixed.named_modules()):
         for child_name, child in list(parent.named_children()):
+            path = f"{parent_name}.{child_name}".lstrip(".")
             if isinstance(child, nn.modules.batchnorm._BatchNorm):
-                setattr(parent, child_name, replaced(child, f"{parent_name}.{child_name}".lstrip(".")))
+                setattr(parent, child_name, replaced(child, path))
+            elif type(child).__name__ in DROP_PATHS:
+                setattr(parent, child_name, ReplayedDropPath.replacing(child, path))
     return fixed
 
 

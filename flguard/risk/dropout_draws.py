@@ -18,9 +18,11 @@ know the masks can only do worse than one who does).
   instead of drawing, in the same order; ``finish`` refuses a pass that called fewer. The per-sample passes hand each
   sample its own rows (the multipliers' first dimension is the batch: ``check_batch``).
 
-A dropout call in eval mode or with p = 0 is the identity and draws nothing, in both uses. Other random layers
-(alpha dropout, torchvision's ``StochasticDepth``, timm's ``DropPath``) draw through other functions and stay
-refused by the model check (``flguard.guard.model_check``).
+A dropout call in eval mode or with p = 0 is the identity and draws nothing, in both uses. Stochastic depth
+(torchvision's ``StochasticDepth``, timm's ``DropPath``) draws with ``bernoulli_`` on a tensor of its own: ``fix_model``
+replaces it by ``ReplayedDropPath``, the same per-sample drop through ``F.dropout``. Other random layers (alpha dropout,
+``DropBlock2d``, attention dropout) draw through other functions and stay refused by the model check
+(``flguard.guard.model_check``).
 """
 
 from __future__ import annotations
@@ -37,8 +39,44 @@ from torch.overrides import TorchFunctionMode
 #: multiplier per element).
 DROPOUT_FUNCTIONS = {F.dropout: 0, F.dropout1d: 1, F.dropout2d: 2, F.dropout3d: 3}
 
-#: The layers that call them: train-mode instances are guarded with their masks replayed.
-REPLAYED_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+
+
+class ReplayedDropPath(nn.Module):
+    """Stochastic depth ("drop path") drawn through ``F.dropout``, so that the guard records and replays it: x·m_i
+    with m_i = b_i/(1 − p), b_i ~ Bernoulli(1 − p), one draw per sample (``scale_by_keep=False``: x·b_i, to float
+    rounding) — the distribution of torchvision's ``StochasticDepth(p, "row")`` and timm's ``DropPath(p)``, which draw
+    with ``bernoulli_`` on a tensor of their own, out of the guard's sight. ``flguard.fix_model`` puts one in each of
+    their places."""
+
+    def __init__(self, p: float, scale_by_keep: bool = True) -> None:
+        super().__init__()
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"ReplayedDropPath: p={p} must be a probability")
+        self.p, self.scale_by_keep = float(p), bool(scale_by_keep)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = F.dropout(x.new_ones((x.shape[0],) + (1,) * (x.dim() - 1)), self.p, True)
+        return x * (keep if self.scale_by_keep else keep * (1.0 - self.p))
+
+    @classmethod
+    def replacing(cls, module: nn.Module, name: str) -> ReplayedDropPath:
+        """The layer for torchvision's ``StochasticDepth`` (row mode) or timm's ``DropPath`` ``module``, in its mode;
+        ``ValueError`` naming ``name`` for batch mode, which drops the whole batch with one draw."""
+        if type(module).__name__ == "StochasticDepth":
+            if module.mode != "row":
+                raise ValueError(f"fix_model: {name or '<model>'} is StochasticDepth(mode={module.mode!r}), which drops "
+                                 "the whole batch with one draw: the guard replays per-sample draws (mode='row')")
+            return cls(module.p).train(module.training)
+        return cls(module.drop_prob, getattr(module, "scale_by_keep", True)).train(module.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}" + ("" if self.scale_by_keep else ", scale_by_keep=False")
+
+
+#: The layers that draw through them: train-mode instances are guarded with their masks replayed.
+REPLAYED_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, ReplayedDropPath)
 
 
 class DropoutDraws(TorchFunctionMode):
@@ -130,5 +168,10 @@ def active_dropouts(model: nn.Module) -> list[str]:
             if isinstance(module, REPLAYED_LAYERS) and module.training and module.p > 0]
 
 
-__all__ = ["DROPOUT_FUNCTIONS", "REPLAYED_LAYERS", "DropoutDraws", "active_dropouts", "as_one_sample", "check_batch",
-           "refuse_unreplayed", "sample_rows"]
+#: The stochastic-depth layers ``flguard.fix_model`` replaces by a ``ReplayedDropPath``, by class name (torchvision's and
+#: timm's are not subclasses of anything of PyTorch's).
+DROP_PATHS = ("StochasticDepth", "DropPath")
+
+
+__all__ = ["DROPOUT_FUNCTIONS", "DROP_PATHS", "REPLAYED_LAYERS", "DropoutDraws", "ReplayedDropPath", "active_dropouts",
+           "as_one_sample", "check_batch", "refuse_unreplayed", "sample_rows"]

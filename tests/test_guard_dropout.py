@@ -171,8 +171,18 @@ def test_the_unclipped_step_of_a_dropout_model_meets_the_floor_against_dense_flo
 
 
 def test_recorded_masks_are_drawn_as_pytorchs_dropout_draws_them():
-    """Recording changes the implementation, not the distribution: each element kept with probability 1 − p and
-    scaled by 1/(1 − p) (Dropout), one draw per sample and channel (Dropout2d), nothing drawn in eval mode."""
+    """Recording changes the implementation, not the draws: under one seed the recorded pass's output is PyTorch's
+    own dropout's, bit for bit, and the generator is left where PyTorch's leaves it (CPU, PyTorch 2.x) — a guarded
+    loop drops what the unguarded one would. And the law: each element kept with probability 1 − p and scaled by
+    1/(1 − p) (Dropout), one draw per sample and channel (Dropout2d), nothing drawn in eval mode."""
+    signal = torch.randn(64, 8, 5, 5)
+    for layer in (nn.Dropout(0.3), nn.Dropout2d(0.4)):
+        torch.manual_seed(5)
+        plain, after = layer(signal), torch.rand(3)
+        torch.manual_seed(5)
+        with DropoutDraws():
+            recorded = layer(signal)
+        assert torch.equal(recorded, plain) and torch.equal(torch.rand(3), after)
     x = torch.ones(200, 50, 4, 4)
     with DropoutDraws() as drawing:
         out = nn.Dropout(0.3)(x)
@@ -333,9 +343,10 @@ class DropPath(nn.Module):
 
 def test_fix_model_replaces_stochastic_depth_by_a_replayed_drop_path_of_the_same_law():
     """torchvision's ConvNeXt-T lists 17 StochasticDepth layers, each naming fix_model; the fixed copy lists none,
-    computes the same eval-mode output, and each ReplayedDropPath keeps the layer's probability. Its draws are one per
-    sample, kept with probability 1 − p and scaled by 1/(1 − p) (timm's ``scale_by_keep=False``: unscaled). Batch
-    mode (one draw for the whole batch) is refused by name."""
+    computes the same eval-mode output, and each ReplayedDropPath keeps the layer's probability. Under one seed it
+    drops exactly what torchvision's layer drops (CPU); its draws are one per sample, kept with probability 1 − p and
+    scaled by 1/(1 − p) (timm's ``scale_by_keep=False``: unscaled). Batch mode (one draw for the whole batch) is
+    refused by name."""
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
     convnext = torchvision.models.convnext_tiny(num_classes=10)
@@ -348,6 +359,11 @@ def test_fix_model_replaces_stochastic_depth_by_a_replayed_drop_path_of_the_same
     assert len(depths) == 18 and [d.p for d in depths] == [o.p for o in originals]
     x = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(fixed.eval()(x), convnext.eval()(x), rtol=0, atol=0)
+    signal = torch.randn(64, 4, 3, 3)
+    torch.manual_seed(5)
+    torchvisions = torchvision.ops.StochasticDepth(0.3, "row")(signal)
+    torch.manual_seed(5)
+    assert torch.equal(ReplayedDropPath(0.3)(signal), torchvisions)  # the same draws, bit for bit (CPU)
     timm_like = flguard.fix_model(nn.Sequential(nn.Linear(3, 3), DropPath(0.4, scale_by_keep=False)))
     assert isinstance(timm_like[1], ReplayedDropPath) and not timm_like[1].scale_by_keep
     ones = torch.ones(20000, 2, 3)

@@ -8,6 +8,8 @@ outputs by forward hooks. Against them: the operator's products on its three pat
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from torch import nn
@@ -397,3 +399,21 @@ def test_a_fixed_convnext_with_stochastic_depth_is_guarded_as_it_trains():
         criterion(model(x), y).backward()
         optimizer.step()
     assert [r.met for r in optimizer.guard_reports] == [True, True]
+
+
+@pytest.mark.parametrize("name", ["efficientnet_b0", "swin_t"])
+def test_fix_model_leaves_nothing_listed_in_torchvisions_models_with_stochastic_depth(name):
+    """EfficientNet-B0 (BatchNorm, stochastic depth, a dropout head) and Swin-T (stochastic depth, LayerNorm,
+    windowed attention): after ``fix_model(batchnorm="frozen")`` ``check_model`` lists nothing, and the fixed copy
+    computes the original's eval-mode output."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)(num_classes=10)
+    assert any("StochasticDepth" in p for p in check_model(model))
+    with pytest.warns(UserWarning, match="have seen no batch") if name == "efficientnet_b0" else nullcontext():
+        fixed = flguard.fix_model(model, batchnorm="frozen")
+    assert check_model(fixed) == []
+    assert any(isinstance(m, ReplayedDropPath) for m in fixed.modules())
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(fixed.eval()(x), model.eval()(x), rtol=1e-5, atol=1e-6)
+

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import flguard
-from flguard import GuardConfig, check_model, make_guarded
+from flguard import GuardConfig, GuardFailure, check_model, make_guarded
 from flguard.guard import Guard
 from flguard.guard.recorder import GuardMisuse
 from flguard.risk.dropout_draws import DropoutDraws, ReplayedDropPath
@@ -417,3 +417,32 @@ def test_fix_model_leaves_nothing_listed_in_torchvisions_models_with_stochastic_
     x = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(fixed.eval()(x), model.eval()(x), rtol=1e-5, atol=1e-6)
 
+
+
+class _DropsMixedRows(nn.Module):
+    """Dropout on rows that mix samples: the batch's [B, 12] features regrouped as another [B, 12] (B = 4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.Linear(12, 3), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.flatten(1)
+        mixed = self.drop(h.t().reshape(h.shape)).reshape(h.shape[1], h.shape[0]).t()
+        return self.fc(mixed)
+
+
+def test_masks_whose_rows_have_the_batchs_size_but_mix_samples_are_refused():
+    """The masks' first dimension is the batch's size, so ``check_batch`` passes them; each sample's pass with its
+    own rows then differs from its row of the batch's output, and the step is refused, nothing applied."""
+    torch.manual_seed(0)
+    model = _DropsMixedRows().double()
+    before = [p.detach().clone() for p in model.parameters()]
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                               nn.CrossEntropyLoss(), GuardConfig(seed=0, max_rel_noise=40.0))
+    x, y = torch.randn(4, 3, 2, 2, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    with pytest.raises(GuardFailure, match="do not split by sample"):
+        optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

@@ -28,11 +28,12 @@ replaces it by ``ReplayedDropPath``, the same per-sample drop through ``F.dropou
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import vmap
 from torch.overrides import TorchFunctionMode
 
 #: The dropout functions replayed, with the number of spatial dimensions that share a multiplier (0: none — one
@@ -142,6 +143,27 @@ def check_batch(draws: Sequence[torch.Tensor], batch: int) -> tuple[torch.Tensor
     return tuple(draws)
 
 
+#: ``check_split``: each sample's own pass must give its row of the batch's output to this share of the largest
+#: output (float rounding between a batched and a one-sample pass is about 1e-6 of it in float32).
+SPLIT_RTOL = 1e-4
+
+
+def check_split(sample_forward: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor],
+                x: torch.Tensor, draws: Sequence[torch.Tensor], batch_output: torch.Tensor) -> None:
+    """``ValueError`` unless each sample's pass with its own rows of ``draws`` — ``sample_forward(x_i, d_i)``, vmapped
+    over the batch without gradients — gives its row of ``batch_output``: a dropout whose first dimension has the
+    batch's size without being the samples' (a sequence's (L, N, E) layout with L = N, rows that mix samples) would
+    otherwise give each sample another's masks, and ``check_batch`` cannot see it."""
+    with torch.no_grad():
+        rows = vmap(sample_forward)(x, tuple(draws))
+    gap, scale = float((rows - batch_output).abs().max()), float(batch_output.abs().max())
+    if not gap <= SPLIT_RTOL * scale + 1e-12:
+        raise ValueError(f"a train-mode dropout's masks do not split by sample: each sample's pass with its own rows of "
+                         f"the masks differs from the batch's by {gap:.3g} (largest output {scale:.3g}) — a dropout on a "
+                         "tensor whose first dimension is not the samples' (a sequence's (L, N, E) layout, or rows "
+                         "that mix samples); the guard replays each sample's own mask")
+
+
 def sample_rows(draws: Sequence[torch.Tensor], index: int | slice | torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The multipliers of the samples ``index`` (an int: one sample's, without the batch dimension)."""
     return tuple(multiplier[index] for multiplier in draws)
@@ -174,4 +196,4 @@ DROP_PATHS = ("StochasticDepth", "DropPath")
 
 
 __all__ = ["DROPOUT_FUNCTIONS", "DROP_PATHS", "REPLAYED_LAYERS", "DropoutDraws", "ReplayedDropPath", "active_dropouts",
-           "as_one_sample", "check_batch", "refuse_unreplayed", "sample_rows"]
+           "as_one_sample", "check_batch", "check_split", "refuse_unreplayed", "sample_rows", "SPLIT_RTOL"]

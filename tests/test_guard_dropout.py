@@ -446,3 +446,45 @@ def test_masks_whose_rows_have_the_batchs_size_but_mix_samples_are_refused():
     with pytest.raises(GuardFailure, match="do not split by sample"):
         optimizer.step()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+class _Recurrent(nn.Module):
+    """A dropout model that calls itself once (weights tied across two applications), or raises when told to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop, self.fail, self.inner = nn.Linear(12, 12), nn.Dropout(0.3), False, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("a forward pass that fails")
+        h = self.drop(torch.tanh(self.fc(x.flatten(1))))
+        if self.inner:
+            return h
+        self.inner = True
+        try:
+            return self(h)[:, :3]
+        finally:
+            self.inner = False
+
+
+def test_a_pass_that_raises_or_calls_the_model_again_leaves_no_recording_behind():
+    """The recording mode lives exactly as long as the outer pass: a pass that raises leaves PyTorch's function-mode
+    stack as it was, and a model that calls itself records both calls' masks in one pass, which the step replays and
+    sends."""
+    torch.manual_seed(0)
+    model = _Recurrent().double()
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                               nn.CrossEntropyLoss(), GuardConfig(seed=0, max_rel_noise=40.0))
+    x, y = torch.randn(4, 3, 2, 2, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    depth = torch._C._len_torch_function_stack()
+    model.fail = True
+    with pytest.raises(RuntimeError, match="fails"):
+        model(x)
+    assert torch._C._len_torch_function_stack() == depth
+    model.fail = False
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    assert torch._C._len_torch_function_stack() == depth
+    optimizer.step()
+    assert optimizer.guard_reports[-1].met

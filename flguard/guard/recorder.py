@@ -70,6 +70,7 @@ class Recorder:
         self.model = model
         self.paused = False
         self._drawing: DropoutDraws | None = None  # the recording mode of the pass under way
+        self._depth = 0  # calls of the model under way inside that pass (a model that calls itself)
         self.clear()
 
     def clear(self) -> None:
@@ -79,18 +80,24 @@ class Recorder:
         self.output: Any = None  # the latest pass's output, until the criterion is called on it
 
     def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._drawing is not None:  # a call inside the recorded pass: its dropouts are that pass's
+            self._depth += 1
+            return
         if self.paused or not torch.is_grad_enabled():
             return
         self.count += 1
         self.passes = [*self.passes[-(MAX_PASSES - 1):], RecordedPass(args, kwargs, autocast_state())]
         self.output = None
         if active_dropouts(self.model):  # its masks drawn here and kept, to be replayed by the guard
-            self._drawing = DropoutDraws()
+            self._drawing, self._depth = DropoutDraws(), 1
             self._drawing.__enter__()
 
     def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """After every pass, also one that raised (the hook is registered with ``always_call``)."""
         if self._drawing is not None:
+            self._depth -= 1
+            if self._depth > 0:
+                return
             drawing, self._drawing = self._drawing, None
             drawing.__exit__(None, None, None)
             self.passes[-1].draws = tuple(drawing.draws)

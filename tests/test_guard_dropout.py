@@ -488,3 +488,85 @@ def test_a_pass_that_raises_or_calls_the_model_again_leaves_no_recording_behind(
     assert torch._C._len_torch_function_stack() == depth
     optimizer.step()
     assert optimizer.guard_reports[-1].met
+
+
+def test_attention_dropout_is_recorded_as_pytorchs_own_and_replayed():
+    """``nn.MultiheadAttention(dropout=0.3)`` while training: under one seed the recorded pass computes PyTorch's own
+    output and weights (its explicit path, ``need_weights=True``) to 1e-15 and leaves the generator where PyTorch's
+    leaves it; the mask is one per sample, head and weight ([N, H, L, S]); replayed with ``need_weights=False`` (the
+    SDPA path PyTorch would take) it computes the recorded output exactly. ``F.scaled_dot_product_attention``'s
+    dropout is recorded the same way."""
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(8, 2, dropout=0.3).double().train()
+    x = torch.randn(5, 3, 8, dtype=torch.float64)  # (L, N, E)
+    torch.manual_seed(5)
+    (out, weights), after = attention(x, x, x), torch.rand(3)
+    torch.manual_seed(5)
+    with DropoutDraws() as drawing:
+        recorded, recorded_weights = attention(x, x, x)
+    assert torch.equal(torch.rand(3), after)
+    torch.testing.assert_close(recorded, out, rtol=0, atol=1e-15)
+    torch.testing.assert_close(recorded_weights, weights, rtol=0, atol=1e-15)
+    (mask,) = drawing.finish()
+    assert mask.shape == (3, 2, 5, 5) and set(mask.unique().tolist()) <= {0.0, 1 / 0.7}
+    with DropoutDraws((mask,)) as replay:
+        replayed, _ = attention(x, x, x, need_weights=False)
+    replay.finish()
+    assert torch.equal(replayed, recorded)
+    q = torch.randn(3, 2, 5, 4, dtype=torch.float64)
+    with DropoutDraws() as drawing:
+        value = nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    (sdpa_mask,) = drawing.finish()
+    plain = torch.softmax(q @ q.transpose(-2, -1) / 2.0, -1)
+    torch.testing.assert_close(value, (plain * sdpa_mask) @ q)
+
+
+class TinyViT(nn.Module):
+    """2×2 patches of a 3-channel image, one ``nn.TransformerEncoderLayer`` (dropout 0.25: attention, residual and
+    feed-forward dropouts, its default layout), mean pooling, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, 8, 2, stride=2)
+        self.encoder = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.25, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.patch(x).flatten(2).transpose(1, 2)
+        return self.head(self.encoder(tokens).mean(1))
+
+
+@pytest.mark.parametrize("path", ["cached", "direct", "one at a time"])
+def test_a_transformer_with_dropout_is_replayed_per_sample_against_dense_float64(path):
+    """The operator's products for a transformer layer with its four dropouts training equal dense Jacobians of each
+    sample's pass with its own masks (computed by plain ``torch.func`` transforms through the replay), on all three
+    paths; ``make_guarded`` sends its steps (the recomputed gradient, attention masks replayed, is ``.grad``)."""
+    torch.manual_seed(0)
+    model = TinyViT().double().train()
+    x, y = torch.randn(4, 3, 4, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    op = JacobianOperator(model, x, y, products="cached" if path == "cached" else "direct")
+    if path == "one at a time":
+        op.sample_chunk = 1
+    assert [tuple(d.shape) for d in op.draws] == [(4, 2, 4, 4), (4, 4, 8), (4, 4, 16), (4, 4, 8)]
+    from torch.func import functional_call
+
+    def forward(params, inputs, i):
+        with DropoutDraws(tuple(d[i:i + 1] for d in op.draws)) as replay:
+            out = functional_call(model, params, (inputs,))
+        replay.finish()
+        return out
+    jac = clipped_upload_jacobians(model, x, y, 1.0, torch.zeros(4, dtype=torch.bool), forward)
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(4, 1, op.dtheta, generator=g, dtype=torch.float64)
+    u = torch.randn(4, 1, op.dx, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(op.j(v), torch.einsum("bap,bkp->bka", jac, v), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(op.kmv(u), torch.einsum("bap,bcp,bkc->bka", jac, jac, u), rtol=1e-9, atol=1e-12)
+    if path != "cached":
+        return
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                                               nn.CrossEntropyLoss(), GuardConfig(seed=0, max_rel_noise=40.0))
+    for _ in range(2):
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        optimizer.step()
+    assert [r.met for r in optimizer.guard_reports] == [True, True]

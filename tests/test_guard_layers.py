@@ -166,7 +166,7 @@ def test_the_attacks_gradient_matching_differentiates_through_attention():
         assert slope == pytest.approx(finite, rel=1e-6)
 
 
-def test_check_model_lists_every_layer_that_drops_at_random_while_training():
+def test_check_model_lists_every_layer_that_drops_at_random_while_training_and_is_not_replayed():
     torchvision = pytest.importorskip("torchvision")
 
     class DropPath(nn.Module):  # timm's, by name and attribute
@@ -180,12 +180,12 @@ def test_check_model_lists_every_layer_that_drops_at_random_while_training():
     model = nn.Sequential(nn.Linear(4, 4), torchvision.ops.StochasticDepth(0.1, "row"), DropPath(0.2),
                           nn.MultiheadAttention(4, 2, dropout=0.3), torchvision.ops.StochasticDepth(0.0, "row"),
                           DropPath(0.0), nn.MultiheadAttention(4, 2))
-    problems = check_model(model)
-    assert [p.split(":")[0] for p in problems] == ["1", "2", "3"]
+    problems = check_model(model)  # attention dropout is replayed (tests/test_guard_dropout.py): not listed
+    assert [p.split(":")[0] for p in problems] == ["1", "2"]
     assert "StochasticDepth(p=0.1)" in problems[0] and "DropPath(drop_prob=0.2)" in problems[1]
-    assert "MultiheadAttention(dropout=0.3)" in problems[2] and "eval()" in problems[2]
+    assert "fix_model" in problems[0]
     model[1].eval()
-    assert len(check_model(model)) == 2
+    assert len(check_model(model)) == 1
     convnext = torchvision.models.convnext_tiny(num_classes=10)  # stochastic depth 0.1 by default, no BatchNorm
     assert sum("StochasticDepth" in p for p in check_model(convnext)) == 17  # 18 blocks, the first at p = 0
     assert check_model(torchvision.models.convnext_tiny(num_classes=10, stochastic_depth_prob=0.0)) == []

@@ -12,9 +12,10 @@ sample i alone only when the forward pass treats samples independently and deter
   guarded as they train — each mask is recorded in the pass that made the gradient and replayed in the guard's
   (``flguard.risk.dropout_draws``) — but a layer that draws its randomness another way would make each of the
   guard's passes a different random map, and its recomputed gradient not the one sent: alpha dropout,
-  torchvision's ``StochasticDepth`` (in its EfficientNets and ConvNeXts), timm's ``DropPath`` and
-  ``DropBlock2d``, and the attention dropout of ``nn.MultiheadAttention`` — found by their drop probability, so
-  a layer with it at 0 passes.
+  torchvision's ``StochasticDepth`` (in its EfficientNets and ConvNeXts) and timm's ``DropPath`` until ``fix_model``
+  replaces them, and timm's ``DropBlock2d`` — found by their drop probability, so a layer with it at 0 passes.
+  Attention dropout (``nn.MultiheadAttention``, ``F.scaled_dot_product_attention``) is replayed too: its weights are
+  dropped through ``F.dropout`` while the mask is recorded.
 * **InstanceNorm with running statistics** is per-sample in its forward pass but updates its
   running buffers from the batch in train mode: the same unguarded side channel as BatchNorm's.
 * **half-precision parameters** (a model cast to bfloat16 or float16): the guard's solves are
@@ -105,8 +106,7 @@ def model_problems(model: nn.Module) -> list[tuple[str, str]]:
 
 #: Layers that drop at random while training, by class name (torchvision's and timm's are not subclasses of
 #: PyTorch's dropout), with the attribute that holds their probability.
-DROP_ATTRIBUTE = {"StochasticDepth": "p", "DropPath": "drop_prob", "DropBlock2d": "drop_prob",
-                  "MultiheadAttention": "dropout"}
+DROP_ATTRIBUTE = {"StochasticDepth": "p", "DropPath": "drop_prob", "DropBlock2d": "drop_prob"}
 
 
 def _random_drop(module: nn.Module) -> tuple[str, float]:

@@ -76,6 +76,11 @@ class ReplayedDropPath(nn.Module):
         return f"p={self.p}" + ("" if self.scale_by_keep else ", scale_by_keep=False")
 
 
+#: The attention functions whose weights' dropout is drawn through ``F.dropout`` here (module doc): where their dropout
+#: probability is among the arguments (position, name), and their ``training`` flag's position (None: none).
+ATTENTION_DROPOUT_ARGUMENTS = {F.multi_head_attention_forward: ((10, "dropout_p"), 13),
+                               F.scaled_dot_product_attention: ((4, "dropout_p"), None)}
+
 #: The layers that draw through them: train-mode instances are guarded with their masks replayed.
 REPLAYED_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, ReplayedDropPath)
 
@@ -94,7 +99,7 @@ class DropoutDraws(TorchFunctionMode):
         kwargs = kwargs or {}
         spatial = DROPOUT_FUNCTIONS.get(func)
         if spatial is None:
-            return func(*args, **kwargs)
+            return self._attention(func, args, kwargs) if func in ATTENTION_DROPOUT_ARGUMENTS else func(*args, **kwargs)
         given = {**dict(zip(("input", "p", "training", "inplace"), args)), **kwargs}
         p, inputs = float(given.get("p", 0.5)), given["input"]
         if not given.get("training", True) or p == 0:
@@ -120,6 +125,27 @@ class DropoutDraws(TorchFunctionMode):
             multiplier.div_(1 - p)
         self.draws.append(multiplier.detach())
         return inputs.mul_(multiplier) if given.get("inplace", False) else inputs * multiplier
+
+    def attention_dropout(self, weights: torch.Tensor, p: float) -> torch.Tensor:
+        """Attention weights dropped with probability ``p``, the mask drawn or replayed as a dropout call's."""
+        return self.__torch_function__(F.dropout, (), (weights, p, True), {})
+
+    def _attention(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An attention function with its weights dropped while training: run in plain operators
+        (``flguard.risk.functional``), the weights dropped by ``attention_dropout`` — drawn where PyTorch's kernel
+        would draw them out of sight; otherwise as it is."""
+        from flguard.risk.functional import DROPPED_ATTENTION  # (functional imports this module)
+
+        (p_at, p_name), training_at = ATTENTION_DROPOUT_ARGUMENTS[func]
+        p = args[p_at] if len(args) > p_at else kwargs.get(p_name, 0.0)
+        training = training_at is None or (args[training_at] if len(args) > training_at else kwargs.get("training", True))
+        if not (training and p > 0):
+            return func(*args, **kwargs)
+        value = DROPPED_ATTENTION[func](*args, **kwargs, drop=self.attention_dropout)
+        if value is None:
+            self.problem = f"{func.__name__} with dropout and an option the guard does not rewrite (bias_k, …)"
+            return func(*args, **kwargs)
+        return value
 
     def finish(self) -> tuple[torch.Tensor, ...]:
         """The pass's multipliers, in call order; ``ValueError`` where a replayed pass called fewer dropouts than were

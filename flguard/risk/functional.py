@@ -10,8 +10,9 @@ float64 nets against dense Jacobians from plain double backward (``tests/test_gu
 * **attention** (``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``, torchvision's ViT): the default CPU
   kernel (flash attention) has no derivative of its backward, no forward-mode rule and no ``vmap`` rule — every
   transformer step was withheld. Both run as softmax(QKᵀ·scale + mask)V here (``_attention``,
-  ``_multi_head_attention``); what they leave to PyTorch (dropout while training, grouped-query attention, bias_k)
-  runs on its "math" kernel, selected for the whole pass;
+  ``_multi_head_attention``), a training dropout on the weights replayed through ``F.dropout``
+  (``flguard.risk.dropout_draws``); what they leave to PyTorch (grouped-query attention, bias_k) runs on its "math"
+  kernel, selected for the whole pass;
 * **softmax and log-softmax** (inside attention, or as layers): PyTorch's forward-mode rule leaves an output that
   reverse mode cannot differentiate ("modified by an inplace operation"), so one-sample products failed; they run
   as exp(x − max)/Σ and (x − max) − log Σ exp(x − max), the maximum held constant;
@@ -36,7 +37,7 @@ gradient is the one in ``.grad`` (``flguard.guard.training``) compares the two t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -95,12 +96,17 @@ _SOFTMAXES = {F.softmax: _softmax, torch.softmax: _softmax, torch.Tensor.softmax
               F.log_softmax: _log_softmax, torch.log_softmax: _log_softmax, torch.Tensor.log_softmax: _log_softmax}
 
 
+#: A dropout on attention weights: (weights, p) ↦ the dropped weights (``flguard.risk.dropout_draws``'s, which draws or
+#: replays the mask; None: PyTorch's own, which this module leaves to PyTorch).
+AttentionDropout = Callable[[torch.Tensor, float], torch.Tensor]
+
+
 def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-               enable_gqa: bool = False) -> torch.Tensor | None:
-    """softmax(QKᵀ·scale + mask)V in plain operators (None where dropout or grouped-query attention asks for
-    PyTorch's own)."""
-    if dropout_p > 0 or enable_gqa:
+               enable_gqa: bool = False, *, drop: AttentionDropout | None = None) -> torch.Tensor | None:
+    """softmax(QKᵀ·scale + mask)V in plain operators, the weights dropped by ``drop`` (None where dropout without
+    ``drop``, or grouped-query attention, asks for PyTorch's own)."""
+    if (dropout_p > 0 and drop is None) or enable_gqa:
         return None
     scores = query @ key.transpose(-2, -1) * (query.shape[-1] ** -0.5 if scale is None else scale)
     if is_causal:
@@ -108,7 +114,8 @@ def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
         scores = scores.masked_fill(~keep, float("-inf"))
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
-    return _softmax(scores, -1) @ value
+    weights = _softmax(scores, -1)
+    return (drop(weights, dropout_p) if dropout_p > 0 else weights) @ value
 
 
 def _additive(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
@@ -127,11 +134,14 @@ def _multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           use_separate_proj_weight: bool = False, q_proj_weight: torch.Tensor | None = None,
                           k_proj_weight: torch.Tensor | None = None, v_proj_weight: torch.Tensor | None = None,
                           static_k: torch.Tensor | None = None, static_v: torch.Tensor | None = None,
-                          average_attn_weights: bool = True, is_causal: bool = False) -> tuple | None:
-    """``F.multi_head_attention_forward`` on batched (L, N, E) inputs with ``_softmax`` (module doc); None (PyTorch's
-    own) for what ``nn.MultiheadAttention`` seldom uses: dropout while training, bias_k/bias_v, zero attention,
-    static keys, or a causal hint without its mask."""
-    if (query.dim() != 3 or (dropout_p > 0 and training) or bias_k is not None or bias_v is not None or add_zero_attn
+                          average_attn_weights: bool = True, is_causal: bool = False, *,
+                          drop: AttentionDropout | None = None) -> tuple | None:
+    """``F.multi_head_attention_forward`` on batched (L, N, E) inputs with ``_softmax`` (module doc), the attention
+    weights dropped by ``drop`` while training (as PyTorch drops them: after the softmax, the weights returned too);
+    None (PyTorch's own) for what ``nn.MultiheadAttention`` seldom uses: dropout while training without ``drop``,
+    bias_k/bias_v, zero attention, static keys, or a causal hint without its mask."""
+    dropped = dropout_p > 0 and training
+    if (query.dim() != 3 or (dropped and drop is None) or bias_k is not None or bias_v is not None or add_zero_attn
             or static_k is not None or static_v is not None or (is_causal and attn_mask is None)):
         return None
     (length, batch, embed), source, heads = query.shape, key.shape[0], num_heads
@@ -149,6 +159,7 @@ def _multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if key_padding_mask is not None:
         scores = scores + _additive(key_padding_mask, scores).view(batch, 1, 1, source)
     attention = _softmax(scores, -1)
+    attention = drop(attention, dropout_p) if dropped else attention
     out = (attention @ v).permute(2, 0, 1, 3).reshape(length, batch, embed)
     out = F.linear(out, out_proj_weight, out_proj_bias)
     if not need_weights:
@@ -158,11 +169,13 @@ def _multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 class _TwiceDifferentiable(TorchFunctionMode):
     """The module doc's layers — norms, softmaxes, attention, Hardsigmoid, global average pooling — in plain
-    operators, train-mode dropout with its recorded multipliers (``replay``); every other function as it is."""
+    operators, train-mode dropout (attention's too) with its recorded multipliers (``replay``); every other function
+    as it is."""
 
     def __init__(self, replay: DropoutDraws | None = None) -> None:
         super().__init__()
         self.replay = replay
+        self.drop = replay.attention_dropout if replay is not None else None
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -183,11 +196,11 @@ class _TwiceDifferentiable(TorchFunctionMode):
             if isinstance(given.get("dim"), int):  # F.softmax's implicit dim (None) is left to PyTorch
                 return _SOFTMAXES[func](given["input"], given["dim"], given.get("dtype"))
         if func is F.multi_head_attention_forward:  # a composite: the calls inside it would not come through here
-            value = _multi_head_attention(*args, **kwargs)
+            value = _multi_head_attention(*args, **kwargs, drop=self.drop)
             if value is not None:
                 return value
         if func is F.scaled_dot_product_attention:
-            value = _attention(*args, **kwargs)
+            value = _attention(*args, **kwargs, drop=self.drop)
             if value is not None:
                 return value
         if func is F.adaptive_avg_pool2d:
@@ -221,4 +234,8 @@ def uncompiled(model: nn.Module) -> nn.Module:
     return inner if inner is not None and type(model).__name__ == "OptimizedModule" else model
 
 
-__all__ = ["functional_forward", "uncompiled"]
+#: The attention functions that ``flguard.risk.dropout_draws`` runs in plain operators while their weights are dropped,
+#: so that it records the masks: each takes ``drop`` (``AttentionDropout``).
+DROPPED_ATTENTION = {F.multi_head_attention_forward: _multi_head_attention, F.scaled_dot_product_attention: _attention}
+
+__all__ = ["functional_forward", "uncompiled", "DROPPED_ATTENTION"]

@@ -54,6 +54,9 @@ def _builders() -> dict:
             [CNBlockConfig(16, 32, 1), CNBlockConfig(32, None, 1)], stochastic_depth_prob=0.1, num_classes=10),
         "vit_2layer": lambda: VisionTransformer(
             image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=10),
+        "vit_2layer_dropout": lambda: VisionTransformer(  # its dropouts (0 by default) at 0.1, attention's too
+            image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=10,
+            dropout=0.1, attention_dropout=0.1),
     }
 
 

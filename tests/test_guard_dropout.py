@@ -227,6 +227,22 @@ def test_a_pass_that_calls_other_dropouts_than_were_recorded_is_refused():
         functional_forward(model, params, x, (*draws, draws[1]))
 
 
+def _refused_step(model: nn.Module, error: type[Exception], match: str) -> nn.Module:
+    """One ``make_guarded`` step of ``model`` (float64, a batch of four 3×2×2 inputs) refused with ``error`` matching
+    ``match``, the parameters left as they were; the model returned."""
+    model = model.double()
+    before = [p.detach().clone() for p in model.parameters()]
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                               nn.CrossEntropyLoss(), GuardConfig(seed=0, max_rel_noise=40.0))
+    x, y = torch.randn(4, 3, 2, 2, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    with pytest.raises(error, match=match):
+        optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return model
+
+
 class _DropsAcrossTheBatch(nn.Module):
     """Dropout on a transposed activation: its first dimension is the features, not the batch."""
 
@@ -242,16 +258,7 @@ def test_make_guarded_refuses_masks_it_cannot_give_each_sample_and_random_layers
     """A dropout whose first dimension is not the batch cannot be split per sample: the step is refused (nothing
     applied, ``.grad`` cleared). Alpha dropout and stochastic depth are still listed by ``check_model``; PyTorch's
     dropout layers are not."""
-    model = _DropsAcrossTheBatch().double()
-    before = [p.detach().clone() for p in model.parameters()]
-    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                               nn.CrossEntropyLoss(), GuardConfig(seed=0))
-    x, y = torch.randn(4, 3, 2, 2, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
-    optimizer.zero_grad()
-    criterion(model(x), y).backward()
-    with pytest.raises(GuardMisuse, match="first dimension is not the batch"):
-        optimizer.step()
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    model = _refused_step(_DropsAcrossTheBatch(), GuardMisuse, "first dimension is not the batch")
     assert all(p.grad is None for p in model.parameters())
     assert check_model(nn.Sequential(nn.Dropout(0.5), nn.Dropout1d(0.2), nn.Dropout2d(0.1), nn.Dropout3d(0.3))) == []
     problems = check_model(nn.Sequential(nn.Linear(2, 2), nn.AlphaDropout(0.2), nn.FeatureAlphaDropout(0.1)))
@@ -436,16 +443,7 @@ def test_masks_whose_rows_have_the_batchs_size_but_mix_samples_are_refused():
     """The masks' first dimension is the batch's size, so ``check_batch`` passes them; each sample's pass with its
     own rows then differs from its row of the batch's output, and the step is refused, nothing applied."""
     torch.manual_seed(0)
-    model = _DropsMixedRows().double()
-    before = [p.detach().clone() for p in model.parameters()]
-    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                               nn.CrossEntropyLoss(), GuardConfig(seed=0, max_rel_noise=40.0))
-    x, y = torch.randn(4, 3, 2, 2, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
-    optimizer.zero_grad()
-    criterion(model(x), y).backward()
-    with pytest.raises(GuardFailure, match="do not split by sample"):
-        optimizer.step()
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    _refused_step(_DropsMixedRows(), GuardFailure, "do not split by sample")
 
 
 class _Recurrent(nn.Module):

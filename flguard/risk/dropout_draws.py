@@ -67,8 +67,8 @@ class ReplayedDropPath(nn.Module):
         ``ValueError`` naming ``name`` for batch mode, which drops the whole batch with one draw."""
         if type(module).__name__ == "StochasticDepth":
             if module.mode != "row":
-                raise ValueError(f"fix_model: {name or '<model>'} is StochasticDepth(mode={module.mode!r}), which drops "
-                                 "the whole batch with one draw: the guard replays per-sample draws (mode='row')")
+                raise ValueError(f"fix_model: {name or '<model>'} is StochasticDepth(mode={module.mode!r}), which "
+                                 "drops the whole batch with one draw: the guard replays per-sample draws (mode='row')")
             return cls(module.p).train(module.training)
         return cls(module.drop_prob, getattr(module, "scale_by_keep", True)).train(module.training)
 
@@ -138,7 +138,8 @@ class DropoutDraws(TorchFunctionMode):
 
         (p_at, p_name), training_at = ATTENTION_DROPOUT_ARGUMENTS[func]
         p = args[p_at] if len(args) > p_at else kwargs.get(p_name, 0.0)
-        training = training_at is None or (args[training_at] if len(args) > training_at else kwargs.get("training", True))
+        training = training_at is None or (args[training_at] if len(args) > training_at
+                                           else kwargs.get("training", True))
         if not (training and p > 0):
             return func(*args, **kwargs)
         value = DROPPED_ATTENTION[func](*args, **kwargs, drop=self.attention_dropout)
@@ -184,10 +185,10 @@ def check_split(sample_forward: Callable[[torch.Tensor, tuple[torch.Tensor, ...]
         rows = vmap(sample_forward)(x, tuple(draws))
     gap, scale = float((rows - batch_output).abs().max()), float(batch_output.abs().max())
     if not gap <= SPLIT_RTOL * scale + 1e-12:
-        raise ValueError(f"a train-mode dropout's masks do not split by sample: each sample's pass with its own rows of "
-                         f"the masks differs from the batch's by {gap:.3g} (largest output {scale:.3g}) — a dropout on a "
-                         "tensor whose first dimension is not the samples' (a sequence's (L, N, E) layout, or rows "
-                         "that mix samples); the guard replays each sample's own mask")
+        raise ValueError(f"a train-mode dropout's masks do not split by sample: each sample's pass with its own rows "
+                         f"of the masks differs from the batch's by {gap:.3g} (largest output {scale:.3g}) — a dropout "
+                         "on a tensor whose first dimension is not the samples' (a sequence's (L, N, E) layout, or "
+                         "rows that mix samples); the guard replays each sample's own mask")
 
 
 def sample_rows(draws: Sequence[torch.Tensor], index: int | slice | torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -216,8 +217,8 @@ def active_dropouts(model: nn.Module) -> list[str]:
             if isinstance(module, REPLAYED_LAYERS) and module.training and module.p > 0]
 
 
-#: The stochastic-depth layers ``flguard.fix_model`` replaces by a ``ReplayedDropPath``, by class name (torchvision's and
-#: timm's are not subclasses of anything of PyTorch's).
+#: The stochastic-depth layers ``flguard.fix_model`` replaces by a ``ReplayedDropPath``, by class name (torchvision's
+#: and timm's are not subclasses of anything of PyTorch's).
 DROP_PATHS = ("StochasticDepth", "DropPath")
 
 

@@ -190,3 +190,32 @@ def test_a_transformer_with_dropout_is_replayed_per_sample_against_dense_float64
         criterion(model(x), y).backward()
         optimizer.step()
     assert [r.met for r in optimizer.guard_reports] == [True, True]
+
+
+class _AttentionOnly(nn.Module):
+    """Patch tokens through ``nn.MultiheadAttention(dropout=0.3)`` alone: no ``nn.Dropout`` layer in the model (a
+    torchvision ViT with ``attention_dropout`` > 0 and ``dropout=0``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, 8, 2, stride=2)
+        self.attention = nn.MultiheadAttention(8, 2, dropout=0.3, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.patch(x).flatten(2).transpose(1, 2)
+        return self.head(self.attention(tokens, tokens, tokens, need_weights=False)[0].mean(1))
+
+
+def test_attention_dropout_alone_is_recorded_and_the_step_sent():
+    """A model whose only random layer is attention dropout has its pass recorded all the same: the step is sent
+    (the recomputed gradient, its attention mask replayed, is ``.grad``)."""
+    torch.manual_seed(0)
+    model = _AttentionOnly().double().train()
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                                               nn.CrossEntropyLoss(), GuardConfig(seed=0, max_rel_noise=40.0))
+    x, y = torch.randn(4, 3, 4, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()
+    assert optimizer.guard_reports[-1].met

@@ -18,11 +18,13 @@ know the masks can only do worse than one who does).
   instead of drawing, in the same order; ``finish`` refuses a pass that called fewer. The per-sample passes hand each
   sample its own rows (the multipliers' first dimension is the batch: ``check_batch``).
 
-A dropout call in eval mode or with p = 0 is the identity and draws nothing, in both uses. Stochastic depth
-(torchvision's ``StochasticDepth``, timm's ``DropPath``) draws with ``bernoulli_`` on a tensor of its own: ``fix_model``
-replaces it by ``ReplayedDropPath``, the same per-sample drop through ``F.dropout``. Other random layers (alpha dropout,
-``DropBlock2d``, attention dropout) draw through other functions and stay refused by the model check
-(``flguard.guard.model_check``).
+A dropout call in eval mode or with p = 0 is the identity and draws nothing, in both uses. Attention dropout
+(``nn.MultiheadAttention``, ``F.scaled_dot_product_attention``) draws inside PyTorch's kernels: while a pass is recorded
+or replayed the attention runs in plain operators (``flguard.risk.functional``) with its weights dropped through
+``F.dropout`` here (``attention_dropout``). Stochastic depth (torchvision's ``StochasticDepth``, timm's ``DropPath``)
+draws with ``bernoulli_`` on a tensor of its own: ``fix_model`` replaces it by ``ReplayedDropPath``, the same
+per-sample drop through ``F.dropout``. Other random layers (alpha dropout, ``DropBlock2d``) draw through other
+functions and stay refused by the model check (``flguard.guard.model_check``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from torch.overrides import TorchFunctionMode
 #: The dropout functions replayed, with the number of spatial dimensions that share a multiplier (0: none — one
 #: multiplier per element).
 DROPOUT_FUNCTIONS = {F.dropout: 0, F.dropout1d: 1, F.dropout2d: 2, F.dropout3d: 3}
-
 
 
 class ReplayedDropPath(nn.Module):
@@ -109,9 +110,9 @@ class DropoutDraws(TorchFunctionMode):
                 raise ValueError(f"a train-mode {func.__name__} that the recorded pass did not call (it drew "
                                  f"{len(self.draws)} masks): the guard replays the masks of the pass that made the "
                                  "gradient, in order — the model's forward pass must call the same dropouts each time, "
-                                 "and make_guarded records them where the model has an nn.Dropout layer in train mode "
-                                 "(a dropout called as a function in a model without one is not recorded: use "
-                                 "nn.Dropout)")
+                                 "and make_guarded records them where the model has an nn.Dropout layer (or an "
+                                 "nn.MultiheadAttention with dropout) in train mode (a dropout called as a function in "
+                                 "a model without one is not recorded: use nn.Dropout)")
             multiplier = self.draws[self.used].to(inputs.dtype)
             self.used += 1
             return inputs * multiplier  # out of place: the guard's passes differentiate through the input
@@ -212,9 +213,11 @@ def refuse_unreplayed(model: nn.Module) -> None:
 
 
 def active_dropouts(model: nn.Module) -> list[str]:
-    """The paths of ``model``'s train-mode dropout layers with p > 0 that the guard replays (``REPLAYED_LAYERS``)."""
-    return [name or "<model>" for name, module in model.named_modules()
-            if isinstance(module, REPLAYED_LAYERS) and module.training and module.p > 0]
+    """The paths of ``model``'s train-mode layers with p > 0 whose masks the guard replays: ``REPLAYED_LAYERS`` and
+    ``nn.MultiheadAttention``'s attention dropout."""
+    return [name or "<model>" for name, module in model.named_modules() if module.training and (
+        (isinstance(module, REPLAYED_LAYERS) and module.p > 0)
+        or (isinstance(module, nn.MultiheadAttention) and module.dropout > 0))]
 
 
 #: The stochastic-depth layers ``flguard.fix_model`` replaces by a ``ReplayedDropPath``, by class name (torchvision's

@@ -358,9 +358,10 @@ def make_guarded(model: nn.Module, optimizer: torch.optim.Optimizer,
 
     A model with BatchNorm (or InstanceNorm with running statistics) is refused here with
     ``UnsupportedModel``, which names the modules and ``flguard.fix_model``; a train-mode random layer that the
-    guard does not replay (alpha dropout, stochastic depth), whose mode can still change, is refused at the step
-    (``GuardMisuse``). PyTorch's ``nn.Dropout`` and ``nn.Dropout1d/2d/3d`` train as they are: each pass's masks are
-    recorded and replayed in every pass the guard differentiates (``flguard.risk.dropout_draws``).
+    guard does not replay (alpha dropout, stochastic depth before ``fix_model``), whose mode can still change, is
+    refused at the step (``GuardMisuse``). PyTorch's ``nn.Dropout`` and ``nn.Dropout1d/2d/3d``, attention dropout and
+    ``fix_model``'s stochastic depth train as they are: each pass's masks are recorded and replayed in every pass the
+    guard differentiates (``flguard.risk.dropout_draws``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError("make_guarded: model must be a torch.nn.Module")

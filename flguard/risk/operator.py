@@ -25,9 +25,10 @@ Two exact paths:
 
 Parameters are the model's trainable parameters in ``model.parameters()`` order, flattened.
 
-Train-mode dropout (``nn.Dropout``, ``nn.Dropout1d/2d/3d``) is measured with its masks held fixed: those of the pass
-that made the gradient (``draws``), or, without them, those that the operator's first pass over the batch draws
-(``drew_masks``); each sample's products replay its own (``flguard.risk.dropout_draws``).
+Train-mode dropout (``nn.Dropout``, ``nn.Dropout1d/2d/3d``, attention's, ``ReplayedDropPath``) is measured with its
+masks held fixed: those of the pass that made the gradient (``draws``), or, without them, those that the operator's
+first pass over the batch draws (``drew_masks``); each sample's products replay its own, checked to give its row of
+the batch's output (``flguard.risk.dropout_draws``).
 """
 
 from __future__ import annotations

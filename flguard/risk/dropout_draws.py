@@ -177,13 +177,13 @@ SPLIT_RTOL = 1e-4
 
 
 def check_split(sample_forward: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor],
-                x: torch.Tensor, draws: Sequence[torch.Tensor], batch_output: torch.Tensor) -> None:
+                batch_forward: Callable[[], torch.Tensor], x: torch.Tensor, draws: Sequence[torch.Tensor]) -> None:
     """``ValueError`` unless each sample's pass with its own rows of ``draws`` — ``sample_forward(x_i, d_i)``, vmapped
-    over the batch without gradients — gives its row of ``batch_output``: a dropout whose first dimension has the
-    batch's size without being the samples' (a sequence's (L, N, E) layout with L = N, rows that mix samples) would
-    otherwise give each sample another's masks, and ``check_batch`` cannot see it."""
+    over the batch — gives its row of the batch's pass ``batch_forward()`` (both without gradients): a dropout whose
+    first dimension has the batch's size without being the samples' (a sequence's (L, N, E) layout with L = N, rows
+    that mix samples) would otherwise give each sample another's masks, and ``check_batch`` cannot see it."""
     with torch.no_grad():
-        rows = vmap(sample_forward)(x, tuple(draws))
+        rows, batch_output = vmap(sample_forward)(x, tuple(draws)), batch_forward()
     gap, scale = float((rows - batch_output).abs().max()), float(batch_output.abs().max())
     if not gap <= SPLIT_RTOL * scale + 1e-12:
         raise ValueError(f"a train-mode dropout's masks do not split by sample: each sample's pass with its own rows "

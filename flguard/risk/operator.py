@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from flguard.risk import sizing
 from flguard.risk.limits import ProductLimit, ProductLimitReached  # noqa: F401  (re-exported: the operator charges them)
-from flguard.risk.precision import on_exact_float32
+from flguard.risk.precision import exact_float32, on_exact_float32
 from flguard.risk.direct import DirectProducts
 from flguard.risk.dropout_draws import (DropoutDraws, as_one_sample, check_batch, check_split, refuse_unreplayed,
                                        sample_rows)
@@ -150,8 +150,9 @@ class JacobianOperator(DirectProducts):
             raise ValueError("coupled=False needs a per-sample-separable loss (mean or sum reduction) "
                              "and a model without train-mode BatchNorm")
         if self.draws and not self.coupled:  # each sample's rows of the masks are its own (dropout_draws)
-            check_split(lambda xi, di: self._forward(self.params, xi.unsqueeze(0), as_one_sample(di))[0], self.x,
-                        self.draws, logits)
+            with exact_float32(self.device), batchnorm_without_running_stats(model):  # no TF32: both passes exact
+                check_split(lambda xi, di: self._forward(self.params, xi.unsqueeze(0), as_one_sample(di))[0],
+                            lambda: self._forward(self.params, self.x), self.x, self.draws)
         self.batch_loss_fn = self.loss_fn  # the loss of the whole batch, as given
         if not self.coupled:  # the batch loss = c Σ_i ℓ(sample i): ℓ a weighted mean's summed form (loss_split)
             self.loss_fn = split.per_sample

@@ -219,3 +219,32 @@ def test_attention_dropout_alone_is_recorded_and_the_step_sent():
     criterion(model(x), y).backward()
     optimizer.step()
     assert optimizer.guard_reports[-1].met
+
+
+def test_a_sequence_first_transformer_layer_is_refused_naming_batch_first():
+    """``nn.TransformerEncoderLayer`` in PyTorch's default (L, N, E) layout: its dropouts' first dimension is the
+    sequence's, so the step is refused, the message naming ``batch_first=True``; nothing is applied."""
+    from flguard.guard.recorder import GuardMisuse
+
+    class SequenceFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.patch = nn.Conv2d(3, 8, 2, stride=2)
+            self.encoder = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.25)  # batch_first=False
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            tokens = self.patch(x).flatten(2).permute(2, 0, 1)  # (L, N, E)
+            return self.head(self.encoder(tokens).mean(0))
+
+    torch.manual_seed(0)
+    model = SequenceFirst().double()
+    before = [p.detach().clone() for p in model.parameters()]
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                                               nn.CrossEntropyLoss(), GuardConfig(seed=0))
+    x, y = torch.randn(3, 3, 4, 4, dtype=torch.float64), torch.tensor([0, 1, 2])  # L = 4 tokens, N = 3
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    with pytest.raises(GuardMisuse, match="batch_first=True"):
+        optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

@@ -165,9 +165,11 @@ def check_batch(draws: Sequence[torch.Tensor], batch: int) -> tuple[torch.Tensor
     multipliers); ``ValueError`` naming the shape otherwise."""
     for multiplier in draws:
         if multiplier.dim() == 0 or multiplier.shape[0] != batch:
+            hint = ("; it looks sequence-first (L, N, E): build the layer with batch_first=True (nn.Transformer*, "
+                    "nn.MultiheadAttention)" if multiplier.dim() >= 2 and multiplier.shape[1] == batch else "")
             raise ValueError(f"a train-mode dropout on a tensor of shape {tuple(multiplier.shape)}, whose first "
                              f"dimension is not the batch of {batch} samples: the guard replays each sample's own mask "
-                             "and cannot tell which rows are whose")
+                             f"and cannot tell which rows are whose{hint}")
     return tuple(draws)
 
 

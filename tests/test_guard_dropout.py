@@ -287,7 +287,8 @@ def test_accumulated_micro_batches_and_a_mixed_precision_pass_replay_their_masks
 
 
 class _FunctionalDropout(nn.Module):
-    """``F.dropout`` called in ``forward``, with or without an ``nn.Dropout`` layer beside it."""
+    """``F.dropout`` and ``torch.dropout`` called in ``forward``, with or without an ``nn.Dropout`` layer beside
+    them."""
 
     def __init__(self, with_layer: bool) -> None:
         super().__init__()
@@ -296,6 +297,7 @@ class _FunctionalDropout(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = nn.functional.dropout(torch.tanh(self.fc1(x.flatten(1))), 0.5, self.training)
+        h = torch.dropout(h, 0.2, train=self.training)  # torch's own name for it
         return self.fc2(self.drop(h))
 
 

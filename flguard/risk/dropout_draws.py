@@ -2,7 +2,7 @@
 replayed in every pass the guard differentiates.
 
 A dropout layer multiplies its input by a random multiplier m = b/(1 − p), b ~ Bernoulli(1 − p) — one per element
-(``F.dropout``: ``nn.Dropout``) or one per sample and channel (``F.dropout1d/2d/3d``: ``nn.Dropout1d/2d/3d``). A
+(``F.dropout``: ``nn.Dropout``; ``torch.dropout``) or one per sample and channel (``F.dropout1d/2d/3d``: ``nn.Dropout1d/2d/3d``). A
 fresh draw in each of the guard's passes would make every product a different random map, and the recomputed gradient
 not the one sent. With the multipliers of the pass that made the gradient held fixed, sample i's gradient is a
 deterministic function of x_i — the very map that produced what the server receives — so its block J_i, the
@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 #: The dropout functions replayed, with the number of spatial dimensions that share a multiplier (0: none — one
 #: multiplier per element).
-DROPOUT_FUNCTIONS = {F.dropout: 0, F.dropout1d: 1, F.dropout2d: 2, F.dropout3d: 3}
+DROPOUT_FUNCTIONS = {F.dropout: 0, F.dropout1d: 1, F.dropout2d: 2, F.dropout3d: 3, torch.dropout: 0}
 
 
 class ReplayedDropPath(nn.Module):
@@ -102,6 +102,7 @@ class DropoutDraws(TorchFunctionMode):
         if spatial is None:
             return self._attention(func, args, kwargs) if func in ATTENTION_DROPOUT_ARGUMENTS else func(*args, **kwargs)
         given = {**dict(zip(("input", "p", "training", "inplace"), args)), **kwargs}
+        given.setdefault("training", given.get("train", True))  # torch.dropout(input, p, train)
         p, inputs = float(given.get("p", 0.5)), given["input"]
         if not given.get("training", True) or p == 0:
             return func(*args, **kwargs)

@@ -119,8 +119,8 @@ def main() -> None:
               f"{time.perf_counter() - start:.1f} |", flush=True)
 
 
-#: ``--dropout eval``: nn.Dropout layers in eval mode too, as every random layer was before the guard replayed their
-#: masks (then ``check_model`` listed them) — the runs recorded in docs/results.md.
+#: ``--dropout eval``: nn.Dropout layers (and attention dropout) in eval mode too, as every random layer was before the
+#: guard replayed their masks (then ``check_model`` listed them) — the runs recorded in docs/results.md.
 DROPOUT_IN_EVAL = True
 
 
@@ -132,7 +132,7 @@ def _listed_to_eval(model: nn.Module) -> None:
 
     listed = {p.split(":")[0] for p in flguard.check_model(model)}
     for path, module in model.named_modules():
-        if path in listed or (DROPOUT_IN_EVAL and isinstance(module, REPLAYED_LAYERS)):
+        if path in listed or (DROPOUT_IN_EVAL and isinstance(module, (*REPLAYED_LAYERS, nn.MultiheadAttention))):
             module.eval()
 
 

@@ -15,7 +15,8 @@ level, progress and damage too).
 
 Each model is built untrained for 10 classes (``quickstart_cnn``: the CNN of Flower's PyTorch template, ``flwr new
 --framework pytorch``, whose ``train`` steps a fresh Adam at lr 0.01 each round: ``--optimizer adam --lr 0.01``;
-ConvNeXt with two stages of 16 and 32 channels, stochastic depth 0.1; the ViT with 8×8 patches, two layers of width 32;
+ConvNeXt with two stages of 16 and 32 channels, stochastic depth 0.1; the ViT with 8×8 patches, two layers of width 32,
+and ``seq_first_transformer``, the same size in ``nn.TransformerEncoder``'s default sequence-first layout;
 torchvision's own configurations otherwise, so that one CPU step takes seconds), fixed (BatchNorm → GroupNorm), the
 layers ``check_model`` still lists put in eval mode (what its message tells the user to do), and given one step of a ``photos32`` batch (offline colour crops). Printed: the problems
 ``check_model`` lists by kind before and after ``fix_model``, and the step's outcome — sent, or withheld with its
@@ -57,7 +58,25 @@ def _builders() -> dict:
         "vit_2layer_dropout": lambda: VisionTransformer(  # its dropouts (0 by default) at 0.1, attention's too
             image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=10,
             dropout=0.1, attention_dropout=0.1),
+        "seq_first_transformer": SequenceFirstTransformer,
     }
+
+
+class SequenceFirstTransformer(nn.Module):
+    """The ViT of ``vit_2layer_dropout``'s size written as PyTorch's docs write a transformer: 8×8 patches, a learnt
+    position embedding, ``nn.TransformerEncoder`` of two ``nn.TransformerEncoderLayer(32, 2, 64)`` with their defaults —
+    sequence-first (L, N, E), dropout 0.1 on attention, residuals and feed-forward — mean pooling, a linear head."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, 32, 8, stride=8)
+        self.position = nn.Parameter(torch.zeros(16, 1, 32).normal_(std=0.02))
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64), 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.patch(x).flatten(2).permute(2, 0, 1) + self.position  # (L = 16, N, E)
+        return self.head(self.encoder(tokens).mean(0))
 
 
 def _kinds(problems: list[str]) -> str:

@@ -18,7 +18,7 @@ import flguard
 from flguard import GuardConfig, check_model, make_guarded
 from flguard.risk.dropout_draws import DropoutDraws, ReplayedDropPath
 from flguard.risk.operator import JacobianOperator
-from risk_reference import clipped_upload_jacobians
+from risk_reference import assert_certified_on_dense_float64, clipped_upload_jacobians, sample_gradient
 
 MEAN, STD = (0.5, 0.4, 0.3), (0.25, 0.2, 0.3)
 
@@ -221,30 +221,117 @@ def test_attention_dropout_alone_is_recorded_and_the_step_sent():
     assert optimizer.guard_reports[-1].met
 
 
-def test_a_sequence_first_transformer_layer_is_refused_naming_batch_first():
-    """``nn.TransformerEncoderLayer`` in PyTorch's default (L, N, E) layout: its dropouts' first dimension is the
-    sequence's, so the step is refused, the message naming ``batch_first=True``; nothing is applied."""
-    from flguard.guard.recorder import GuardMisuse
+class _Times(nn.Module):
+    """A fixed multiplier in a dropout layer's place: the reference pass."""
 
-    class SequenceFirst(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.patch = nn.Conv2d(3, 8, 2, stride=2)
-            self.encoder = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.25)  # batch_first=False
-            self.head = nn.Linear(8, 3)
+    def __init__(self, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.mask = mask
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            tokens = self.patch(x).flatten(2).permute(2, 0, 1)  # (L, N, E)
-            return self.head(self.encoder(tokens).mean(0))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.mask
 
+
+class SequenceFirstViT(nn.Module):
+    """``TinyViT`` in PyTorch's default layout (``batch_first=False``): the layer's residual and feed-forward dropouts
+    draw on (L, N, E) tensors, the batch second. Attention dropout is off here (its weights are batch-first, tested
+    above), so that hooks read every mask."""
+
+    DROPOUTS = ("dropout1", "dropout", "dropout2")  # in call order
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, 8, 2, stride=2)
+        self.encoder = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.25)  # batch_first=False
+        self.encoder.self_attn.dropout = 0.0
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.patch(x).flatten(2).permute(2, 0, 1)  # (L, N, E)
+        return self.head(self.encoder(tokens).mean(0))
+
+    def masks_of_the_next_pass(self):
+        """Hooks reading the dropouts' multipliers (L, N, E) off their inputs and outputs in the next pass."""
+        seen: dict[str, torch.Tensor] = {}
+
+        def hook(name):
+            def read(module, args, output):
+                if name not in seen:
+                    seen[name] = torch.where(args[0] != 0, output / args[0], torch.zeros_like(output)).detach()
+            return read
+        return seen, [getattr(self.encoder, n).register_forward_hook(hook(n)) for n in self.DROPOUTS]
+
+    def masked_forward(self, seen: dict[str, torch.Tensor]):
+        """``forward(params, x_i[None], i)``: sample i's pass, each dropout replaced by its masks' column i, (L, 1, E),
+        as a plain multiplier; attention on PyTorch's math kernel (its CPU flash kernel has no forward derivative)."""
+        from torch.func import functional_call
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def forward(params, inputs, i):
+            layers = {n: getattr(self.encoder, n) for n in self.DROPOUTS}
+            for n in layers:
+                setattr(self.encoder, n, _Times(seen[n][:, i:i + 1]))
+            try:
+                with sdpa_kernel(SDPBackend.MATH):
+                    return functional_call(self, params, (inputs,))
+            finally:
+                for n, layer in layers.items():
+                    setattr(self.encoder, n, layer)
+        return forward
+
+
+@pytest.mark.parametrize("path", ["cached", "direct", "one at a time"])
+def test_a_sequence_first_transformer_layer_is_replayed_per_sample_against_dense_float64(path):
+    """``nn.TransformerEncoderLayer`` with its defaults' (L, N, E) layout: the masks are stored batch first (their
+    batch's place kept, ``check_batch``) and each sample's column replayed in place; J_iv, J_iᵀu, K_iu and the
+    per-sample gradients equal dense Jacobians of each sample's pass with its masks — read off the layers by hooks —
+    as plain multipliers, on all three paths."""
     torch.manual_seed(0)
-    model = SequenceFirst().double()
-    before = [p.detach().clone() for p in model.parameters()]
-    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.01),
-                                               nn.CrossEntropyLoss(), GuardConfig(seed=0))
+    model = SequenceFirstViT().double().train()
     x, y = torch.randn(3, 3, 4, 4, dtype=torch.float64), torch.tensor([0, 1, 2])  # L = 4 tokens, N = 3
+    seen, handles = model.masks_of_the_next_pass()
+    op = JacobianOperator(model, x, y, products="cached" if path == "cached" else "direct")
+    for handle in handles:
+        handle.remove()
+    if path == "one at a time":
+        op.sample_chunk = 1
+    assert [tuple(d.shape) for d in op.draws] == [(3, 1, 4, 8), (3, 1, 4, 16), (3, 1, 4, 8)]
+    forward = model.masked_forward(seen)
+    jac = clipped_upload_jacobians(model, x, y, 1.0, torch.zeros(3, dtype=torch.bool), forward)
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(3, 2, op.dtheta, generator=g, dtype=torch.float64)
+    u = torch.randn(3, 2, op.dx, generator=g, dtype=torch.float64)
+    close = dict(rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(op.j(v), torch.einsum("bap,bkp->bka", jac, v), **close)
+    torch.testing.assert_close(op.jt(u), torch.einsum("bap,bka->bkp", jac, u), **close)
+    torch.testing.assert_close(op.kmv(u), torch.einsum("bap,bcp,bkc->bka", jac, jac, u), **close)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    per = torch.stack([sample_gradient(model, forward, params, x[i], y[i], i) for i in range(3)])
+    torch.testing.assert_close(op.per_sample_gradients(), per, **close)
+
+
+def test_make_guarded_sends_a_sequence_first_transformers_steps_certified_against_dense_float64():
+    """The user's loop on a sequence-first transformer layer, unchanged: the step is sent, ``.grad`` is the gradient
+    of the user's own pass and its noise certifies every kept sample against dense float64 I²F of that masked map;
+    two accumulated micro-batches (each pass's masks put batch first, then concatenated) are sent too."""
+    config = GuardConfig(pixel_mean=MEAN, pixel_std=STD, seed=3, clip_per_sample="median", max_excluded=0.25,
+                         max_rel_noise=40.0, rtol=1e-2)
+    torch.manual_seed(0)
+    model = SequenceFirstViT().double().train()
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                                               nn.CrossEntropyLoss(), config)
+    x, y = torch.rand(6, 3, 4, 4, dtype=torch.float64), torch.arange(6) % 3
+    seen, handles = model.masks_of_the_next_pass()
     optimizer.zero_grad()
     criterion(model(x), y).backward()
-    with pytest.raises(GuardMisuse, match="batch_first=True"):
-        optimizer.step()
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    for handle in handles:
+        handle.remove()
+    optimizer.step()
+    report = optimizer.guard_reports[0]
+    assert report.met, report.reason
+    assert_certified_on_dense_float64(model, x, y, config, report, forward=model.masked_forward(seen))
+    optimizer.zero_grad()
+    for part in (slice(0, 3), slice(3, 6)):
+        criterion(model(x[part]), y[part]).backward()
+    optimizer.step()
+    assert optimizer.guard_reports[1].details["micro_batches"] == 2 and optimizer.guard_reports[1].met

@@ -242,26 +242,69 @@ def _refused_step(model: nn.Module, error: type[Exception], match: str) -> nn.Mo
     return model
 
 
-class _DropsAcrossTheBatch(nn.Module):
-    """Dropout on a transposed activation: its first dimension is the features, not the batch."""
+class _DropsTheWeight(nn.Module):
+    """Dropout on a weight ("DropConnect"): one mask shared by every sample of the batch, no dimension of it theirs."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc, self.drop = nn.Linear(12, 3), nn.Dropout(0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.drop(x.flatten(1).t()).t())
+        return nn.functional.linear(x.flatten(1), self.drop(self.fc.weight), self.fc.bias)
 
 
 def test_make_guarded_refuses_masks_it_cannot_give_each_sample_and_random_layers_it_does_not_replay():
-    """A dropout whose first dimension is not the batch cannot be split per sample: the step is refused (nothing
+    """A dropout none of whose dimensions is the batch cannot be split per sample: the step is refused (nothing
     applied, ``.grad`` cleared). Alpha dropout and stochastic depth are still listed by ``check_model``; PyTorch's
     dropout layers are not."""
-    model = _refused_step(_DropsAcrossTheBatch(), GuardMisuse, "first dimension is not the batch")
+    model = _refused_step(_DropsTheWeight(), GuardMisuse, "no one dimension of it is the batch")
     assert all(p.grad is None for p in model.parameters())
     assert check_model(nn.Sequential(nn.Dropout(0.5), nn.Dropout1d(0.2), nn.Dropout2d(0.1), nn.Dropout3d(0.3))) == []
     problems = check_model(nn.Sequential(nn.Linear(2, 2), nn.AlphaDropout(0.2), nn.FeatureAlphaDropout(0.1)))
     assert [p.split(":")[0] for p in problems] == ["1", "2"] and "nn.Dropout" in problems[0]
+
+
+class _DropsAcrossTheBatch(nn.Module):
+    """Dropout on a transposed activation (features, batch): the batch is its second dimension."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.Linear(12, 3), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.drop(torch.tanh(x.flatten(1)).t()).t())
+
+
+def test_masks_with_the_batch_at_another_dimension_are_stored_batch_first_and_replayed_in_place():
+    """``check_batch`` finds each mask's batch where a one-sample pass's shape has 1 and the batch's has N — whatever
+    the other sizes (here all five) — moves it to the front, marking its place by the rank, and is idempotent;
+    ``aligned`` puts each sample's column, and the batch's, back where the pass has them (exactly the recorded
+    values); a mask shared by the samples or paired across them is refused. ``make_guarded`` then sends the step of a
+    model that drops a transposed activation (its batch second)."""
+    from flguard.risk.dropout_draws import aligned, as_one_sample, check_batch, sample_rows
+
+    drawn = torch.rand(5, 5, 5)  # (L, N, E): the batch of five second, the other sizes five too
+    (stored,) = check_batch((drawn,), 5, [torch.Size((5, 1, 5))])
+    assert stored.shape == (5, 1, 5, 5) and check_batch((stored,), 5, [torch.Size((5, 1, 5))])[0] is stored
+    assert torch.equal(aligned(stored, torch.zeros(5, 5, 5)), drawn)
+    for i in range(5):
+        (one,) = as_one_sample(sample_rows((stored,), i))
+        assert torch.equal(aligned(one, torch.zeros(5, 1, 5)), drawn[:, i:i + 1])
+    assert torch.equal(aligned(stored[1:3], torch.zeros(5, 2, 5)), drawn[:, 1:3])
+    with pytest.raises(ValueError, match="replayed on a tensor of shape"):
+        aligned(stored, torch.zeros(5, 4, 5))
+    for shared, one in ((torch.rand(3, 12), (3, 12)), (torch.rand(5, 5), (1, 1))):  # on a weight; pairwise (N, N)
+        with pytest.raises(ValueError, match="no one dimension of it is the batch"):
+            check_batch((shared,), 5, [torch.Size(one)])
+    torch.manual_seed(0)
+    model = _DropsAcrossTheBatch().double()
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                                               nn.CrossEntropyLoss(), GuardConfig(seed=0, max_rel_noise=40.0))
+    x, y = torch.randn(5, 3, 2, 2, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1])
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()
+    assert optimizer.guard_reports[-1].met, optimizer.guard_reports[-1].reason
 
 
 def test_accumulated_micro_batches_and_a_mixed_precision_pass_replay_their_masks():

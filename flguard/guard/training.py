@@ -57,7 +57,7 @@ from flguard.guard.recorder import GuardMisuse, RecordedPass, Recorder, Selected
 from flguard.guard.report import GuardReport
 from flguard.guard.session import active_session
 from flguard.guard.trial_step import momentum_gain, trial_displacement
-from flguard.risk.dropout_draws import DropoutDraws, check_batch
+from flguard.risk.dropout_draws import DropoutDraws, check_batch, probe_shapes
 from flguard.risk.precision import AutocastState, autocast_as
 
 #: ``make_guarded`` warns about an Adam-family optimizer above this learning rate: under the guard's noise each of its
@@ -187,7 +187,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if run is None:  # as_recorded: the last pass's own gradient
             refuse_gradient(sent, as_recorded, last.autocast, self._recorder.count)
         x, y = (torch.cat(parts) for parts in zip(*(recorded.batch() for recorded in run)))
-        path, draws = _one_path(run), _run_draws(run, int(x.shape[0]))
+        path = _one_path(run)
+        draws = _run_draws(run, int(x.shape[0]), self._probe) if any(recorded.draws for recorded in run) else ()
         loss_fn = self._criterion if len(run) == 1 else self._accumulated_loss(run, x, y, path)
         # the guard measures and sends float32: a mixed-precision pass is recomputed without autocast
         reference = (as_recorded if not any(recorded.autocast for recorded in run) else
@@ -281,6 +282,19 @@ class GuardedOptimizer(torch.optim.Optimizer):
                               "but no guarded Flower train message is being handled; pass a GuardConfig")
         return session.guard
 
+    def _probe(self, mode: DropoutDraws, x: torch.Tensor) -> None:
+        """The model on ``x`` under ``mode`` (a probing ``DropoutDraws``), unrecorded, its buffers left as they were."""
+        buffers = {name: b.detach().clone() for name, b in self._model.named_buffers()}
+        self._recorder.paused = True
+        try:
+            with mode:
+                self._model(x)
+        finally:
+            self._recorder.paused = False
+            with torch.no_grad():
+                for name, b in self._model.named_buffers():
+                    b.copy_(buffers[name])
+
     def _recompute(self, params: list[nn.Parameter], x: torch.Tensor, y: torch.Tensor,
                    autocast: AutocastState, path: tuple = (), draws: tuple = ()) -> torch.Tensor:
         """∇θ criterion(the part at ``path`` of model(x), y) with ``autocast`` as given (``()``: float32) and the
@@ -312,16 +326,25 @@ def _one_path(run: list[RecordedPass]) -> tuple:
     return paths.pop()
 
 
-def _run_draws(run: list[RecordedPass], batch: int) -> tuple[torch.Tensor, ...]:
-    """The dropout multipliers of the passes of ``run`` as one batch's (each dropout's, concatenated over the
-    micro-batches); ``GuardMisuse`` where the passes called different numbers of dropouts, or a dropout's first
-    dimension is not the batch (``flguard.risk.dropout_draws.check_batch``)."""
+def _run_draws(run: list[RecordedPass], batch: int,
+               probe: Callable[[DropoutDraws, torch.Tensor], None]) -> tuple[torch.Tensor, ...]:
+    """The dropout multipliers of the passes of ``run`` as one batch's (each dropout's, batch first, concatenated
+    over the micro-batches), each mask's batch found from a one-sample pass (``probe(mode, x)``); ``GuardMisuse``
+    where the passes called different numbers of dropouts, or where a dropout's batch cannot be told or its layout
+    differs between the passes (``flguard.risk.dropout_draws.check_batch``)."""
     counts = {len(recorded.draws) for recorded in run}
     if len(counts) != 1:
         raise GuardMisuse(f"{len(run)} micro-batches accumulated in .grad whose forward passes called different "
                           f"numbers of train-mode dropouts {sorted(counts)}: the guard measures them as one batch")
     try:
-        return check_batch([torch.cat(parts) for parts in zip(*(recorded.draws for recorded in run))], batch)
+        one = probe_shapes(lambda mode: probe(mode, run[0].args[0][:1]))
+        passes = [check_batch(recorded.draws, int(recorded.args[0].shape[0]), one) for recorded in run]
+        for parts in zip(*passes):
+            if len({part.shape[1:] for part in parts}) != 1:
+                shapes = [tuple(p.shape) for p in parts]
+                raise ValueError(f"a train-mode dropout whose masks have shapes {shapes} in the accumulated "
+                                 "micro-batches: the guard cannot tell which dimension is the batch in all")
+        return tuple(torch.cat(parts) for parts in zip(*passes))
     except ValueError as error:
         raise GuardMisuse(str(error)) from error
 

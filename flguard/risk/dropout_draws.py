@@ -16,7 +16,8 @@ know the masks can only do worse than one who does).
   recorder) or the operator's first pass over the batch (``Guard.protect`` without recorded draws);
 * **replay** (``DropoutDraws(draws)``): the k-th dropout call of the pass multiplies by the k-th recorded multiplier
   instead of drawing, in the same order; ``finish`` refuses a pass that called fewer. The per-sample passes hand each
-  sample its own rows (the multipliers' first dimension is the batch: ``check_batch``).
+  sample its own rows: ``check_batch`` stores every multiplier with the batch first — one drawn on a sequence-first
+  (L, N, E) tensor (PyTorch's default transformer layout) too, its batch put back in place on replay (``aligned``).
 
 A dropout call in eval mode or with p = 0 is the identity and draws nothing, in both uses. Attention dropout
 (``nn.MultiheadAttention``, ``F.scaled_dot_product_attention``) draws inside PyTorch's kernels: while a pass is recorded
@@ -87,12 +88,15 @@ REPLAYED_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, Replaye
 
 
 class DropoutDraws(TorchFunctionMode):
-    """Record (``draws`` None) or replay (``draws`` given) the multipliers of a pass's dropout calls (module doc)."""
+    """Record (``draws`` None) or replay (``draws`` given) the multipliers of a pass's dropout calls (module doc);
+    ``probe``: neither — each call's multiplier shape is noted in ``shapes`` and nothing is drawn or dropped
+    (``probe_shapes``)."""
 
-    def __init__(self, draws: Sequence[torch.Tensor] | None = None) -> None:
+    def __init__(self, draws: Sequence[torch.Tensor] | None = None, *, probe: bool = False) -> None:
         super().__init__()
-        self.replaying = draws is not None
+        self.replaying, self.probing = draws is not None, probe
         self.draws: list[torch.Tensor] = list(draws) if draws is not None else []
+        self.shapes: list[torch.Size] = []
         self.used = 0
         self.problem = ""  # record: a call it could not record (the pass then cannot be guarded)
 
@@ -106,6 +110,9 @@ class DropoutDraws(TorchFunctionMode):
         p, inputs = float(given.get("p", 0.5)), given["input"]
         if not given.get("training", True) or p == 0:
             return func(*args, **kwargs)
+        if self.probing:
+            self.shapes.append(torch.Size(inputs.shape if spatial == 0 else (*inputs.shape[:2], *(1,) * spatial)))
+            return inputs
         if self.replaying:
             if self.used == len(self.draws):
                 raise ValueError(f"a train-mode {func.__name__} that the recorded pass did not call (it drew "
@@ -114,7 +121,7 @@ class DropoutDraws(TorchFunctionMode):
                                  "and make_guarded records them where the model has an nn.Dropout layer (or an "
                                  "nn.MultiheadAttention with dropout) in train mode (a dropout called as a function in "
                                  "a model without one is not recorded: use nn.Dropout)")
-            multiplier = self.draws[self.used].to(inputs.dtype)
+            multiplier = aligned(self.draws[self.used], inputs)
             self.used += 1
             return inputs * multiplier  # out of place: the guard's passes differentiate through the input
         if spatial and inputs.dim() != spatial + 2:
@@ -161,17 +168,70 @@ class DropoutDraws(TorchFunctionMode):
         return tuple(self.draws)
 
 
-def check_batch(draws: Sequence[torch.Tensor], batch: int) -> tuple[torch.Tensor, ...]:
-    """``draws`` as a tuple, each multiplier's first dimension checked to be the batch's (a sample's rows are its
-    multipliers); ``ValueError`` naming the shape otherwise."""
-    for multiplier in draws:
-        if multiplier.dim() == 0 or multiplier.shape[0] != batch:
-            hint = ("; it looks sequence-first (L, N, E): build the layer with batch_first=True (nn.Transformer*, "
-                    "nn.MultiheadAttention)" if multiplier.dim() >= 2 and multiplier.shape[1] == batch else "")
-            raise ValueError(f"a train-mode dropout on a tensor of shape {tuple(multiplier.shape)}, whose first "
-                             f"dimension is not the batch of {batch} samples: the guard replays each sample's own mask "
-                             f"and cannot tell which rows are whose{hint}")
-    return tuple(draws)
+def probe_shapes(forward: Callable[[DropoutDraws], Any]) -> tuple[torch.Size, ...]:
+    """The multipliers' shapes, in call order, of the train-mode dropouts of ``forward(mode)`` — a pass on one sample
+    run under ``mode`` — nothing drawn or dropped (the default generator left as it was): ``check_batch`` finds
+    each mask's batch where this pass's shape has 1 and the batch's has N."""
+    probe = DropoutDraws(probe=True)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        forward(probe)
+    return tuple(probe.shapes)
+
+
+def check_batch(draws: Sequence[torch.Tensor], batch: int,
+                one_sample: Sequence[torch.Size]) -> tuple[torch.Tensor, ...]:
+    """``draws`` as a tuple with the batch first, so that a sample's rows are its multipliers. Each mask's batch is the
+    one dimension where its shape has N (``batch``) and its shape in a one-sample pass (``one_sample``, from
+    ``probe_shapes``) has 1 — the first dimension in most layers, the second in a sequence-first (L, N, E) one, found
+    whatever its other sizes; for N = 1, the first dimension of size 1. A mask whose batch is dimension d > 0 is stored
+    as (N, 1, …, 1, the other dimensions) with d ones after the batch — one more dimension per place — so that
+    ``aligned`` puts the batch back at d. A mask already in that layout (more dimensions than its one-sample shape)
+    is kept. ``ValueError`` naming the shapes where no dimension, or more than one, goes from N to 1 (a mask shared
+    by the samples, on a weight; an activation flattened across the batch; a pairwise (N, N) one), or where the
+    pass called another number of dropouts."""
+    if len(one_sample) != len(draws):
+        raise ValueError(f"a one-sample pass called {len(one_sample)} train-mode dropouts where the batch's drew "
+                         f"{len(draws)} masks: the guard replays each sample's part of them, in order")
+    out = []
+    for multiplier, one in zip(draws, one_sample):
+        if multiplier.dim() > len(one) and multiplier.shape[0] == batch:
+            out.append(multiplier)
+            continue
+        if multiplier.dim() != len(one):
+            places = []
+        elif batch == 1:
+            places = [d for d in range(multiplier.dim()) if multiplier.shape[d] == 1][:1]
+        else:
+            places = [d for d in range(multiplier.dim()) if multiplier.shape[d] != one[d]]
+        if len(places) != 1 or multiplier.shape[places[0]] != batch or one[places[0]] != 1:
+            raise ValueError(f"a train-mode dropout on a tensor of shape {tuple(multiplier.shape)} ({tuple(one)} for "
+                             f"one sample): no one dimension of it is the batch of {batch} samples, so the guard cannot "
+                             "tell which of its elements are whose (a mask shared by the samples, on a weight; an "
+                             "activation flattened or paired across the batch) — it replays each sample's own mask")
+        if places[0] == 0:
+            out.append(multiplier)
+            continue
+        moved = multiplier.movedim(places[0], 0)
+        out.append(moved.reshape(batch, *(1,) * places[0], *moved.shape[1:]))
+    return tuple(out)
+
+
+def aligned(multiplier: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """A stored multiplier (``check_batch``'s layout, or as drawn) in ``inputs``' layout and dtype: as it is where its
+    rank is the input's; with d more dimensions, its batch (first) dimension put back at d in place of the d ones —
+    for one sample's rows, as for a batch's. ``ValueError`` where it does not fit the input (another pass's masks)."""
+    extra = multiplier.dim() - inputs.dim()
+    if extra > 0:
+        multiplier = multiplier.reshape(multiplier.shape[0], *multiplier.shape[1 + extra:]).movedim(0, extra)
+    try:
+        fits = extra >= 0 and torch.broadcast_shapes(multiplier.shape, inputs.shape) == inputs.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"a recorded dropout mask of shape {tuple(multiplier.shape)} replayed on a tensor of shape "
+                         f"{tuple(inputs.shape)}: the pass does not call the dropouts the recorded pass called, on "
+                         "tensors of the same shapes")
+    return multiplier.to(inputs.dtype)
 
 
 #: ``check_split``: each sample's own pass must give its row of the batch's output to this share of the largest
@@ -182,17 +242,17 @@ SPLIT_RTOL = 1e-4
 def check_split(sample_forward: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor],
                 batch_forward: Callable[[], torch.Tensor], x: torch.Tensor, draws: Sequence[torch.Tensor]) -> None:
     """``ValueError`` unless each sample's pass with its own rows of ``draws`` — ``sample_forward(x_i, d_i)``, vmapped
-    over the batch — gives its row of the batch's pass ``batch_forward()`` (both without gradients): a dropout whose
-    first dimension has the batch's size without being the samples' (a sequence's (L, N, E) layout with L = N, rows
-    that mix samples) would otherwise give each sample another's masks, and ``check_batch`` cannot see it."""
+    over the batch — gives its row of the batch's pass ``batch_forward()`` (both without gradients): where the dimension
+    ``check_batch`` found from the shapes alone is not the samples' (rows that mix samples), each sample would
+    otherwise get another's masks."""
     with torch.no_grad():
         rows, batch_output = vmap(sample_forward)(x, tuple(draws)), batch_forward()
     gap, scale = float((rows - batch_output).abs().max()), float(batch_output.abs().max())
     if not gap <= SPLIT_RTOL * scale + 1e-12:
         raise ValueError(f"a train-mode dropout's masks do not split by sample: each sample's pass with its own rows "
                          f"of the masks differs from the batch's by {gap:.3g} (largest output {scale:.3g}) — a dropout "
-                         "on a tensor whose first dimension is not the samples' (a sequence's (L, N, E) layout, or "
-                         "rows that mix samples); the guard replays each sample's own mask")
+                         "on a tensor whose rows mix the samples (a pass whose one-sample form is not a row of its "
+                         "batched form); the guard replays each sample's own mask")
 
 
 def sample_rows(draws: Sequence[torch.Tensor], index: int | slice | torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -229,4 +289,4 @@ DROP_PATHS = ("StochasticDepth", "DropPath")
 
 
 __all__ = ["DROPOUT_FUNCTIONS", "DROP_PATHS", "REPLAYED_LAYERS", "DropoutDraws", "ReplayedDropPath", "active_dropouts",
-           "as_one_sample", "check_batch", "check_split", "refuse_unreplayed", "sample_rows", "SPLIT_RTOL"]
+           "aligned", "as_one_sample", "check_batch", "check_split", "probe_shapes", "refuse_unreplayed", "sample_rows", "SPLIT_RTOL"]

@@ -214,9 +214,9 @@ def functional_forward(model: nn.Module, tensors: Any, inputs: torch.Tensor,
                        draws: Sequence[torch.Tensor] | DropoutDraws | None = None) -> torch.Tensor:
     """``model(inputs)`` with its parameters and buffers taken from ``tensors`` (a dict, or a tuple of dicts, as
     ``functional_call`` takes them), every layer in a twice-differentiable, vmappable form (module doc). ``draws``:
-    the multipliers of the train-mode dropouts to replay, in call order, with ``inputs``' batch as their first
-    dimension, or a recording ``DropoutDraws`` (``flguard.risk.dropout_draws``); None: dropout as PyTorch runs it. A
-    replayed pass that calls another number of dropouts than were recorded is refused (``ValueError``)."""
+    the multipliers of the train-mode dropouts to replay, in call order, with ``inputs``' batch first
+    (``dropout_draws.check_batch``'s layout, or as drawn), or a recording ``DropoutDraws``
+    (``flguard.risk.dropout_draws``); None: dropout as PyTorch runs it. A replayed pass that calls another number of dropouts than were recorded is refused (``ValueError``)."""
     replay = draws if isinstance(draws, DropoutDraws) or draws is None else DropoutDraws(draws)
     with sdpa_kernel(SDPBackend.MATH), _TwiceDifferentiable(replay):
         out = functional_call(model, tensors, (inputs,))

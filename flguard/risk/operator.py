@@ -47,8 +47,8 @@ from flguard.risk import sizing
 from flguard.risk.limits import ProductLimit, ProductLimitReached  # noqa: F401  (re-exported: the operator charges them)
 from flguard.risk.precision import exact_float32, on_exact_float32
 from flguard.risk.direct import DirectProducts
-from flguard.risk.dropout_draws import (DropoutDraws, as_one_sample, check_batch, check_split, refuse_unreplayed,
-                                       sample_rows)
+from flguard.risk.dropout_draws import (DropoutDraws, as_one_sample, check_batch, check_split, probe_shapes,
+                                       refuse_unreplayed, sample_rows)
 from flguard.risk.functional import functional_forward, uncompiled
 from flguard.risk.loss_split import split_loss
 from flguard.risk.sample_autograd import SampleAutograd
@@ -132,12 +132,15 @@ class JacobianOperator(DirectProducts):
         self._cached_pullback: Callable | None = None
         self._cached_transpose: Callable | None = None
         # the dropouts' multipliers: replayed as given, or drawn by this first pass (module doc)
-        self.draws = check_batch(draws, self.batch_size) if draws is not None else ()
+        self.draws = tuple(draws) if draws is not None else ()
         recording = DropoutDraws() if draws is None else None
         with torch.no_grad(), batchnorm_without_running_stats(model):
             logits = self._forward(self.params, self.x, recording)
-        if recording is not None:
-            self.draws = check_batch(recording.finish(), self.batch_size)
+            if recording is not None:
+                self.draws = recording.finish()
+            if self.draws:  # each mask's batch found from a one-sample pass's shapes (dropout_draws.check_batch)
+                one = probe_shapes(lambda mode: self._forward(self.params, self.x[:1], mode))
+                self.draws = check_batch(self.draws, self.batch_size, one)
         self.drew_masks = bool(self.draws) and draws is None
         if not isinstance(logits, torch.Tensor):
             raise TypeError(f"the model returns a {type(logits).__name__}, not one tensor: the guard measures the part "

@@ -132,6 +132,33 @@ def test_a_gradient_rescaled_after_backward_is_refused_and_named(rescale, named)
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_mixup_as_two_criterion_calls_is_refused_naming_its_one_call_form_which_is_sent():
+    """Mixup written as lam·criterion(out, y) + (1 − lam)·criterion(out, y[perm]) is refused (nothing applied, the
+    message naming one_hot); its one-call form with the mixed targets as class probabilities — the same loss, to float
+    rounding — is sent (at the median clip level: four samples' mixed step is otherwise withheld for its damage)."""
+    model = resnet()
+    model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=LR),
+                                               nn.CrossEntropyLoss(), GuardConfig(seed=0, clip_per_sample="median"))
+    x, y = batch()
+    lam, perm = 0.7, torch.tensor([2, 0, 3, 1])
+    mixed = lam * x + (1 - lam) * x[perm]
+    before = flat(model.parameters())
+    optimizer.zero_grad()
+    out = model(mixed)
+    two_calls = lam * criterion(out, y) + (1 - lam) * criterion(out, y[perm])
+    two_calls.backward()
+    with pytest.raises(GuardMisuse, match="one_hot"):
+        optimizer.step()
+    assert torch.equal(flat(model.parameters()), before)
+    optimizer.zero_grad()
+    targets = lam * nn.functional.one_hot(y, 10).float() + (1 - lam) * nn.functional.one_hot(y[perm], 10).float()
+    one_call = criterion(model(mixed), targets)
+    torch.testing.assert_close(one_call, two_calls.detach(), rtol=1e-6, atol=0.0)
+    one_call.backward()
+    optimizer.step()
+    assert optimizer.guard_reports[-1].met
+
+
 def test_a_summed_loss_is_guarded_as_the_mean_it_scales():
     """reduction='sum' is the mean times B: the same training at lr/B. The certificate is scale-free and the budget's
     unit is the clipped update's largest norm (B·C for a sum, the operator's ``span``), so the step is the mean's — before,

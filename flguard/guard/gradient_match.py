@@ -29,12 +29,20 @@ def same_gradient(sent: torch.Tensor, reference: torch.Tensor, autocast: Autocas
     return gap <= gradient_rtol(reference, GRADIENT_MATCH_RTOL, autocast) * scale + slack
 
 
-def refuse_gradient(sent: torch.Tensor, reference: torch.Tensor, autocast: AutocastState, passes: int) -> None:
+def refuse_gradient(sent: torch.Tensor, reference: torch.Tensor, autocast: AutocastState, passes: int,
+                    calls: int = 1) -> None:
     """``GuardMisuse`` for a .grad (``sent``) that no run of recorded passes explains, naming the likely cause against
-    the last pass's gradient ``reference``: passes that do not add up, a gradient rescaled after backward, or another
-    loss."""
+    the last pass's gradient ``reference``: more criterion ``calls`` than ``passes`` (a loss made of several, as
+    mixup's), passes that do not add up, a gradient rescaled after backward, or another loss."""
     gap, scale = float((sent - reference).norm()), float(reference.norm())
     found = f"‖difference‖ = {gap:.3g}, ‖gradient‖ = {scale:.3g}"
+    if calls > passes:
+        raise GuardMisuse(f"the guarded criterion was called {calls} times for {passes} forward pass(es) since the "
+                          f"last optimizer.step(), and .grad is not the gradient of one call per pass ({found}): the "
+                          "guard measures one criterion call per pass — a loss made of several on one output (mixup, "
+                          "CutMix: lam·criterion(out, y) + (1 − lam)·criterion(out, y[perm])) is the same loss as one "
+                          "call with the mixed targets as class probabilities: criterion(out, lam·one_hot(y) + "
+                          "(1 − lam)·one_hot(y[perm])) (torch.nn.functional.one_hot(y, classes).float())")
     if passes > 1:
         raise GuardMisuse(f"{passes} forward passes of the guarded model since the last optimizer.step(), and .grad is "
                           f"neither the last one's gradient ({found}) nor the sum of the latest ones': an extra "

@@ -185,7 +185,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         sent = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
         run, as_recorded = self._run_in_grad(params, sent)
         if run is None:  # as_recorded: the last pass's own gradient
-            refuse_gradient(sent, as_recorded, last.autocast, self._recorder.count)
+            refuse_gradient(sent, as_recorded, last.autocast, self._recorder.count, self._recorder.calls)
         x, y = (torch.cat(parts) for parts in zip(*(recorded.batch() for recorded in run)))
         path = _one_path(run)
         draws = _run_draws(run, int(x.shape[0]), self._probe) if any(recorded.draws for recorded in run) else ()

@@ -146,6 +146,10 @@ def test_misuse_is_refused_and_nothing_is_applied():
     opt.zero_grad()
     nn.functional.cross_entropy(m(x), y).backward()
     cases["without a call of the guarded criterion"] = (opt, m, before)
+    m, opt, crit, before = guarded()  # the prediction computed from the output outside the model and the criterion
+    opt.zero_grad()
+    crit(nn.functional.log_softmax(m(x), 1)[:, :10] * 1.0, y).backward()
+    cases["computed from the guarded model's output outside the model"] = (opt, m, before)
     m, opt, crit, before = guarded(dropout=0.5, layer=nn.AlphaDropout)  # a random layer the guard does not replay
     opt.zero_grad()
     crit(m(x), y).backward()
@@ -157,6 +161,23 @@ def test_misuse_is_refused_and_nothing_is_applied():
         assert all(p.grad is None for p in m.parameters()), message  # the unguarded gradient is gone
     with pytest.raises(GuardMisuse, match="closure"):
         guarded()[1].step(lambda: 0.0)
+
+
+def test_a_computation_on_the_output_folded_into_the_criterion_is_guarded():
+    """What the refusal above asks for: the log-softmax moved into the criterion given to make_guarded — the step is
+    sent, and it is the plain loop's gradient plus the noise the report states."""
+    model = tiny_cnn()
+    x, y = batch()
+    loss = lambda out, target: nn.functional.nll_loss(nn.functional.log_softmax(out, 1), target)  # noqa: E731
+    reference = torch.autograd.grad(loss(model(x), y), list(model.parameters()))
+    m, opt, crit = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.0), loss, CONFIG)
+    opt.zero_grad()
+    crit(m(x), y).backward()
+    opt.step()
+    report = opt.guard_reports[-1]
+    assert report.met
+    noise = torch.cat([p.grad.reshape(-1) for p in m.parameters()]) - torch.cat([g.reshape(-1) for g in reference])
+    assert float(noise.norm()) == pytest.approx(report.noise_norm, rel=1e-9)
 
 
 def test_a_withheld_step_raises_guard_failure_and_leaves_the_model_unchanged():

@@ -76,6 +76,7 @@ class Recorder:
     def clear(self) -> None:
         self.count = 0  # passes since the last step, kept or not
         self.calls = 0  # criterion calls since the last step, on a pass's output or not
+        self.derived = False  # a criterion call whose prediction was computed from a pass's output
         self.passes: list[RecordedPass] = []
         self.output: Any = None  # the latest pass's output, until the criterion is called on it
 
@@ -111,6 +112,8 @@ class Recorder:
             return
         self.calls += 1
         path = None if self.output is None else output_path(self.output, prediction)
+        if path is None and self.output is not None:
+            self.derived = self.derived or computed_from(prediction, self.output)
         if path is not None:
             self.passes[-1].target, self.passes[-1].scalar, self.passes[-1].path = target, loss.ndim == 0, path
             self.output = None  # the pass's graph is the loss's now; nothing of it kept here
@@ -125,6 +128,12 @@ class Recorder:
                 raise GuardMisuse("optimizer.step() without a call of the guarded criterion: the guard cannot see "
                                   "the loss you backpropagated — compute the loss with the criterion make_guarded "
                                   "returned")
+            if self.derived:
+                raise GuardMisuse("the guarded criterion's prediction was computed from the guarded model's output "
+                                  "outside the model (out.squeeze(1), F.log_softmax(out, 1), …): the guard measures "
+                                  "criterion(model(x), y) and must see that computation — fold it into the criterion "
+                                  "given to make_guarded (lambda out, y: "
+                                  "F.binary_cross_entropy_with_logits(out.squeeze(1), y)) or into the model's forward")
             raise GuardMisuse("the guarded criterion was not called on the guarded model's output: the guard cannot "
                               "see the loss you backpropagated — use loss = criterion(model(x), y), or one tensor of "
                               "a structured output as it is (criterion(model(x)['logits'], y))")
@@ -160,6 +169,28 @@ def output_path(output: Any, prediction: Any, depth: int = OUTPUT_DEPTH) -> tupl
         if inner is not None:
             return (key, *inner)
     return None
+
+
+#: How many autograd nodes ``computed_from`` walks back from a prediction looking for the model's output.
+DERIVATION_NODES = 64
+
+
+def computed_from(prediction: Any, output: Any) -> bool:
+    """Whether ``prediction``'s autograd graph reaches, within DERIVATION_NODES nodes, the node that made a tensor of
+    ``output`` (a model's output, possibly structured): the prediction was computed from it (a reason's hint)."""
+    tensors = [output] if isinstance(output, torch.Tensor) else (
+        list(output.values()) if isinstance(output, Mapping) else list(output) if isinstance(output, (tuple, list))
+        else [])
+    made = {t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    start = getattr(prediction, "grad_fn", None)
+    frontier, seen = ([start] if start is not None else []), set()
+    while frontier and len(seen) < DERIVATION_NODES:
+        node = frontier.pop()
+        if node in made:
+            return True
+        seen.add(node)
+        frontier += [parent for parent, _ in node.next_functions if parent is not None and parent not in seen]
+    return False
 
 
 def select(output: Any, path: tuple) -> Any:

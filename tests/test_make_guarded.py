@@ -180,6 +180,30 @@ def test_a_computation_on_the_output_folded_into_the_criterion_is_guarded():
     assert float(noise.norm()) == pytest.approx(report.noise_norm, rel=1e-9)
 
 
+class _TokenClassifier(nn.Module):
+    """A text model: token ids through ``nn.Embedding``, mean pooling, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding, self.head = nn.Embedding(50, 8), nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(ids).mean(1))
+
+
+def test_integer_inputs_are_withheld_with_the_reason_and_nothing_applied():
+    """Token ids are no input to differentiate: the step is withheld (``GuardFailure``) naming them, nothing applied."""
+    model = _TokenClassifier()
+    m, opt, crit = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), CONFIG)
+    before = flat_params(model)
+    opt.zero_grad()
+    crit(m(torch.randint(0, 50, (4, 6))), torch.tensor([0, 1, 2, 3])).backward()
+    with pytest.raises(GuardFailure, match="token ids"):
+        opt.step()
+    assert torch.equal(flat_params(model), before)
+
+
 def test_a_withheld_step_raises_guard_failure_and_leaves_the_model_unchanged():
     model = tiny_cnn()
     config = CONFIG.model_copy(update={"min_rmse": 50.0, "max_rel_noise": 1.0})  # out of the budget's reach

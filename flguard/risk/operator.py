@@ -107,6 +107,11 @@ class JacobianOperator(DirectProducts):
                  draws: Sequence[torch.Tensor] | None = None) -> None:
         model = uncompiled(model)  # a torch.compile'd model: its own module, the same parameters
         refuse_unreplayed(model)
+        if not x.is_floating_point():
+            raise ValueError(f"the model's input is a {x.dtype} tensor (token ids, indices): the guard measures how an "
+                             "update moves the reconstruction of continuous inputs (images, features) and cannot "
+                             "differentiate with respect to integers — nor does an input-space floor cover what a "
+                             "text model's embedding gradient shows by itself (its nonzero rows are the tokens used)")
         self.model = model
         self.loss_fn = loss_fn or default_loss
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]

@@ -6,8 +6,9 @@ checked against the dense K_i = J_iJ_iᵀ built column by column with plain reve
 (``risk_reference``). The guard's forward pass rewrites some layers (``flguard.risk.functional``): attention,
 softmaxes and ``Hardsigmoid``, whose kernels lack a derivative the products take (every step withheld), and
 LayerNorm and InstanceNorm, whose kernels' derivatives in the products' compositions are wrong (K off by 0.1–0.3%
-on the cached path and 2–33% on the direct one: certificates on wrong numbers). Their references are independent:
-attention on PyTorch's math kernel, Hardsigmoid written as a clamp, the norms by PyTorch's own kernels, whose plain
+on the cached path and 2–33% on the direct one: certificates on wrong numbers), and the recurrent layers, whose
+kernels fail under ``vmap`` (``flguard.risk.recurrent``). Their references are independent: attention on PyTorch's
+math kernel, Hardsigmoid written as a clamp, the norms and the recurrent layers by PyTorch's own kernels, whose plain
 double backward is right. The model check lists every layer that drops at random while training, torchvision's and
 timm's included.
 """
@@ -63,6 +64,21 @@ class _MultiheadSelfAttention(nn.Module):
         return self.attention(tokens, tokens, tokens, need_weights=False)[0].transpose(1, 2).reshape(x.shape)
 
 
+class _Recurrent(nn.Module):
+    """A recurrent layer over the pixels as a sequence (N, 16, 4) — or (16, N, 4) sequence-first — its output back
+    in the image's shape (4 features: the hidden size, or twice it bidirectional, or the LSTM's projection)."""
+
+    def __init__(self, cell: type[nn.RNNBase], hidden: int = 4, **options) -> None:
+        super().__init__()
+        self.batch_first = options.setdefault("batch_first", True)
+        self.rnn = cell(4, hidden, **options)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.flatten(2).transpose(1, 2)
+        out = self.rnn(tokens if self.batch_first else tokens.transpose(0, 1))[0]
+        return (out if self.batch_first else out.transpose(0, 1)).transpose(1, 2).reshape(x.shape)
+
+
 def _frozen_batchnorm() -> nn.Module:
     """A pretrained BatchNorm's eval-mode map, kept in any mode (``fix_model(model, batchnorm="frozen")``)."""
     from flguard.guard import FrozenBatchNorm
@@ -97,6 +113,13 @@ LAYERS = {
     "multihead_attention": (_MultiheadSelfAttention, None),
     "softmax_over_channels": (lambda: nn.Softmax(dim=1), None),
     "log_softmax_over_channels": (lambda: nn.LogSoftmax(dim=1), None),
+    "lstm": (lambda: _Recurrent(nn.LSTM), None),
+    "lstm_stacked_bidirectional_projected": (
+        lambda: _Recurrent(nn.LSTM, hidden=3, num_layers=2, bidirectional=True, proj_size=2), None),
+    "gru_sequence_first": (lambda: _Recurrent(nn.GRU, batch_first=False), None),
+    "gru_stacked_without_bias": (lambda: _Recurrent(nn.GRU, num_layers=2, bias=False), None),
+    "rnn_tanh": (lambda: _Recurrent(nn.RNN), None),
+    "rnn_relu_bidirectional": (lambda: _Recurrent(nn.RNN, hidden=2, nonlinearity="relu", bidirectional=True), None),
 }
 
 

@@ -1,6 +1,6 @@
-"""Architectures: Flower's quickstart CNN, PyTorch's MNIST example with dropout, the I2F LeNet, Chen & Campbell's
-CNN variants, an MLP, a linear model, ResNet-18 (BatchNorm, for the attack studies) and the GroupNorm ResNets the
-guard certifies (``flguard.models.resnet``)."""
+"""Architectures: Flower's quickstart CNN, PyTorch's MNIST example with dropout, an LSTM over image rows, the I2F
+LeNet, Chen & Campbell's CNN variants, an MLP, a linear model, ResNet-18 (BatchNorm, for the attack studies) and the
+GroupNorm ResNets the guard certifies (``flguard.models.resnet``)."""
 
 from __future__ import annotations
 
@@ -137,6 +137,22 @@ class DropoutCNN(nn.Module):
         return self.fc2(self.dropout2(torch.relu(self.fc1(x))))
 
 
+class RowLSTM(nn.Module):
+    """An LSTM reading the image row by row (a sequence of ``image_size`` rows of ``in_channels × image_size``
+    features), its last step's state through two linear layers — PyTorch's ``examples/mnist_rnn`` without its
+    BatchNorm and dropouts: the time-series models practitioners train, on the data that ships offline."""
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int, hidden: int = 64) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(in_channels * image_size, hidden, batch_first=True)
+        self.fc1 = nn.Linear(hidden, 32)
+        self.fc2 = nn.Linear(32, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.permute(0, 2, 1, 3).flatten(2)  # (N, H, C·W)
+        return self.fc2(torch.relu(self.fc1(self.rnn(rows)[0][:, -1])))
+
+
 def _mlp(in_channels: int, num_classes: int, image_size: int, hidden: int = 256) -> nn.Module:
     """Two-layer perceptron with a sigmoid hidden layer (smooth, like the I2F LeNet)."""
     return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size**2, hidden), nn.Sigmoid(),
@@ -166,6 +182,7 @@ def _resnet18(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
 _BUILDERS: dict[str, Callable[[int, int, int], nn.Module]] = {
     "cnn": QuickstartCNN,
     "dropout_cnn": DropoutCNN,
+    "lstm_rows": RowLSTM,
     "lenet": _lenet,
     **{name: _cnn(name) for name in CNN_VARIANTS},
     "mlp": _mlp,

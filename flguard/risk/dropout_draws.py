@@ -20,12 +20,13 @@ know the masks can only do worse than one who does).
   (L, N, E) tensor (PyTorch's default transformer layout) too, its batch put back in place on replay (``aligned``).
 
 A dropout call in eval mode or with p = 0 is the identity and draws nothing, in both uses. Attention dropout
-(``nn.MultiheadAttention``, ``F.scaled_dot_product_attention``) draws inside PyTorch's kernels: while a pass is recorded
-or replayed the attention runs in plain operators (``flguard.risk.functional``) with its weights dropped through
-``F.dropout`` here (``attention_dropout``). Stochastic depth (torchvision's ``StochasticDepth``, timm's ``DropPath``)
-draws with ``bernoulli_`` on a tensor of its own: ``fix_model`` replaces it by ``ReplayedDropPath``, the same
-per-sample drop through ``F.dropout``. Other random layers (alpha dropout, ``DropBlock2d``) draw through other
-functions and stay refused by the model check (``flguard.guard.model_check``).
+(``nn.MultiheadAttention``, ``F.scaled_dot_product_attention``) draws inside PyTorch's kernels: while a pass is
+recorded or replayed the attention runs in plain operators (``flguard.risk.functional``) with its weights dropped
+through ``F.dropout`` here (``attention_dropout``); so do a stacked recurrent layer's (``nn.LSTM``/``GRU``/``RNN``
+with ``dropout`` > 0 between its layers: ``flguard.risk.recurrent``). Stochastic depth (torchvision's
+``StochasticDepth``, timm's ``DropPath``) draws with ``bernoulli_`` on a tensor of its own: ``fix_model`` replaces it
+by ``ReplayedDropPath``, the same per-sample drop through ``F.dropout``. Other random layers (alpha dropout,
+``DropBlock2d``) draw through other functions and stay refused by the model check (``flguard.guard.model_check``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import vmap
 from torch.overrides import TorchFunctionMode
+
+from flguard.risk.recurrent import CELLS as RECURRENT_CELLS
+from flguard.risk.recurrent import PACKED, drops_between_layers, recurrent
 
 #: The dropout functions replayed, with the number of spatial dimensions that share a multiplier (0: none — one
 #: multiplier per element).
@@ -103,6 +107,8 @@ class DropoutDraws(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         spatial = DROPOUT_FUNCTIONS.get(func)
+        if spatial is None and func in RECURRENT_CELLS:
+            return self._recurrent(func, args, kwargs)
         if spatial is None:
             return self._attention(func, args, kwargs) if func in ATTENTION_DROPOUT_ARGUMENTS else func(*args, **kwargs)
         given = {**dict(zip(("input", "p", "training", "inplace"), args)), **kwargs}
@@ -136,8 +142,18 @@ class DropoutDraws(TorchFunctionMode):
         return inputs.mul_(multiplier) if given.get("inplace", False) else inputs * multiplier
 
     def attention_dropout(self, weights: torch.Tensor, p: float) -> torch.Tensor:
-        """Attention weights dropped with probability ``p``, the mask drawn or replayed as a dropout call's."""
+        """Attention weights (or a recurrent layer's output) dropped with probability ``p``, the mask drawn or replayed
+        as a dropout call's."""
         return self.__torch_function__(F.dropout, (), (weights, p, True), {})
+
+    def _recurrent(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A recurrent layer that drops between its layers while training: run in plain operators
+        (``flguard.risk.recurrent``), the drops through ``attention_dropout``; otherwise PyTorch's own."""
+        value = recurrent(func, args, kwargs, self.attention_dropout) if drops_between_layers(args) else None
+        if value is None:
+            self.problem = PACKED if drops_between_layers(args) else self.problem
+            return func(*args, **kwargs)
+        return value
 
     def _attention(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """An attention function with its weights dropped while training: run in plain operators
@@ -205,9 +221,9 @@ def check_batch(draws: Sequence[torch.Tensor], batch: int,
             places = [d for d in range(multiplier.dim()) if multiplier.shape[d] != one[d]]
         if len(places) != 1 or multiplier.shape[places[0]] != batch or one[places[0]] != 1:
             raise ValueError(f"a train-mode dropout on a tensor of shape {tuple(multiplier.shape)} ({tuple(one)} for "
-                             f"one sample): no one dimension of it is the batch of {batch} samples, so the guard cannot "
-                             "tell which of its elements are whose (a mask shared by the samples, on a weight; an "
-                             "activation flattened or paired across the batch) — it replays each sample's own mask")
+                             f"one sample): no one dimension of it is the batch of {batch} samples, so the guard "
+                             "cannot tell which of its elements are whose (a mask shared by the samples, on a weight; "
+                             "an activation flattened or paired across the batch) — it replays each sample's own mask")
         if places[0] == 0:
             out.append(multiplier)
             continue
@@ -276,11 +292,12 @@ def refuse_unreplayed(model: nn.Module) -> None:
 
 
 def active_dropouts(model: nn.Module) -> list[str]:
-    """The paths of ``model``'s train-mode layers with p > 0 whose masks the guard replays: ``REPLAYED_LAYERS`` and
-    ``nn.MultiheadAttention``'s attention dropout."""
+    """The paths of ``model``'s train-mode layers with p > 0 whose masks the guard replays: ``REPLAYED_LAYERS``,
+    ``nn.MultiheadAttention``'s attention dropout and a stacked recurrent layer's dropout between its layers."""
     return [name or "<model>" for name, module in model.named_modules() if module.training and (
         (isinstance(module, REPLAYED_LAYERS) and module.p > 0)
-        or (isinstance(module, nn.MultiheadAttention) and module.dropout > 0))]
+        or (isinstance(module, nn.MultiheadAttention) and module.dropout > 0)
+        or (isinstance(module, nn.RNNBase) and module.dropout > 0 and module.num_layers > 1))]
 
 
 #: The stochastic-depth layers ``flguard.fix_model`` replaces by a ``ReplayedDropPath``, by class name (torchvision's
@@ -289,4 +306,5 @@ DROP_PATHS = ("StochasticDepth", "DropPath")
 
 
 __all__ = ["DROPOUT_FUNCTIONS", "DROP_PATHS", "REPLAYED_LAYERS", "DropoutDraws", "ReplayedDropPath", "active_dropouts",
-           "aligned", "as_one_sample", "check_batch", "check_split", "probe_shapes", "refuse_unreplayed", "sample_rows", "SPLIT_RTOL"]
+           "aligned", "as_one_sample", "check_batch", "check_split", "probe_shapes", "refuse_unreplayed", "sample_rows",
+           "SPLIT_RTOL"]

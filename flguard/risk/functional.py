@@ -24,7 +24,10 @@ float64 nets against dense Jacobians from plain double backward (``tests/test_gu
 * **global average pooling** (``F.adaptive_avg_pool2d`` to 1×1): the same numbers as a spatial mean, while the
   kernel's double backward on a channels-last gradient (a ConvNeXt's) takes an ``as_strided_`` that ``vmap`` has
   no batching rule for — a per-sample loop and a warning (a small ConvNeXt's cached K product 47 → 43 ms; a ResNet's
-  products 1.5–2.5% faster, bit-identical).
+  products 1.5–2.5% faster, bit-identical);
+* **recurrent layers** (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``): their kernels write each step's state in place and fail
+  under ``vmap``; they run step by step in plain operators (``flguard.risk.recurrent``), a stacked layer's dropout
+  between its layers replayed like any other.
 
 Every other activation, pooling, normalisation (GroupNorm's kernel is right in every composition and keeps its speed),
 padding and resampling layer an image model uses runs as PyTorch has it, checked in the same test. The mode sees
@@ -47,6 +50,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from flguard.risk.dropout_draws import DROPOUT_FUNCTIONS, DropoutDraws
+from flguard.risk.recurrent import CELLS as RECURRENT_CELLS
+from flguard.risk.recurrent import PACKED, packed, recurrent
 
 
 def _normalised(x: torch.Tensor, dims: tuple[int, ...], eps: float) -> torch.Tensor:
@@ -203,6 +208,12 @@ class _TwiceDifferentiable(TorchFunctionMode):
             value = _attention(*args, **kwargs, drop=self.drop)
             if value is not None:
                 return value
+        if func in RECURRENT_CELLS:  # PyTorch's kernels write each step's state in place: they fail under vmap
+            value = recurrent(func, args, kwargs, self.drop)
+            if value is None and packed(args):
+                raise ValueError(PACKED)
+            if value is not None:
+                return value
         if func is F.adaptive_avg_pool2d:
             given = {**dict(zip(("input", "output_size"), args)), **kwargs}
             if given["output_size"] in (1, (1, 1), [1, 1]):  # global average pooling
@@ -216,7 +227,8 @@ def functional_forward(model: nn.Module, tensors: Any, inputs: torch.Tensor,
     ``functional_call`` takes them), every layer in a twice-differentiable, vmappable form (module doc). ``draws``:
     the multipliers of the train-mode dropouts to replay, in call order, with ``inputs``' batch first
     (``dropout_draws.check_batch``'s layout, or as drawn), or a recording ``DropoutDraws``
-    (``flguard.risk.dropout_draws``); None: dropout as PyTorch runs it. A replayed pass that calls another number of dropouts than were recorded is refused (``ValueError``)."""
+    (``flguard.risk.dropout_draws``); None: dropout as PyTorch runs it. A replayed pass that calls another number of
+    dropouts than were recorded is refused (``ValueError``)."""
     replay = draws if isinstance(draws, DropoutDraws) or draws is None else DropoutDraws(draws)
     with sdpa_kernel(SDPBackend.MATH), _TwiceDifferentiable(replay):
         out = functional_call(model, tensors, (inputs,))

@@ -24,6 +24,11 @@ KNOWN_CAUSES = (
     ("use_reentrant=True", "gradient checkpointing with use_reentrant=True in the model's forward pass: the guard "
                            "recomputes the loss's gradient with torch.autograd.grad, which it refuses — guard the "
                            "model without checkpointing"),
+    ("vmap: It looks like you're either (1) calling .item()",
+     "the model or the loss reads a tensor's value as a Python number (.item(), an `if` on a tensor, F.one_hot's range "
+     "check on the targets): the guard evaluates them one sample at a time inside torch.func.vmap, which cannot — "
+     "write that part with tensor operations, e.g. F.one_hot(t, C) as (t.unsqueeze(1) == torch.arange(C, "
+     "device=t.device).view(1, C, *[1] * (t.dim() - 1))).float()"),
 )
 
 

@@ -42,7 +42,8 @@ class ClippedJacobian:
         if op.coupled:
             raise ValueError("per-sample clipping needs a per-sample-separable loss and no train-mode BatchNorm: "
                              "the loss must be a mean, a sum or a class-weighted mean of the samples' own losses "
-                             "(flguard.risk.loss_split)")
+                             "(flguard.risk.loss_split) — a loss pooled over the batch (a Dice loss summing every "
+                             "sample's pixels together) couples them: compute it per sample, then average")
         self.op, self.clip = op, float(clip)
         per = op.per_sample_gradients()
         norms = per.norm(dim=1)

@@ -47,8 +47,8 @@ def main() -> None:
         torch.manual_seed(0)
         model = StackedClassifier(cell)
         g = torch.Generator().manual_seed(0)
-        data = [(torch.randn(BATCH, args.length, FEATURES, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g))
-                for _ in range(6)]
+        data = [(torch.randn(BATCH, args.length, FEATURES, generator=g),
+                 torch.randint(0, CLASSES, (BATCH,), generator=g)) for _ in range(6)]
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         plain = []
         for x, y in data:
@@ -72,8 +72,8 @@ def main() -> None:
             guarded.append(time.perf_counter() - start)
         train, step = statistics.median(plain), statistics.median(guarded)
         products = statistics.median(r.matvecs for r in optimizer.guard_reports)
-        print(f"| {cell.__name__} | {args.length} | {1000 * train:.1f} | {step:.2f} | {step / train:.0f}× | {sent} / 4 | "
-              f"{products:.1f} |", flush=True)
+        print(f"| {cell.__name__} | {args.length} | {1000 * train:.1f} | {step:.2f} | {step / train:.0f}× | "
+              f"{sent} / 4 | {products:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -64,8 +64,9 @@ def _builders() -> dict:
 
 class SequenceFirstTransformer(nn.Module):
     """The ViT of ``vit_2layer_dropout``'s size written as PyTorch's docs write a transformer: 8×8 patches, a learnt
-    position embedding, ``nn.TransformerEncoder`` of two ``nn.TransformerEncoderLayer(32, 2, 64)`` with their defaults —
-    sequence-first (L, N, E), dropout 0.1 on attention, residuals and feed-forward — mean pooling, a linear head."""
+    position embedding, ``nn.TransformerEncoder`` of two ``nn.TransformerEncoderLayer(32, 2, 64)`` with their
+    defaults — sequence-first (L, N, E), dropout 0.1 on attention, residuals and feed-forward — mean pooling, a
+    linear head."""
 
     def __init__(self, classes: int = 10) -> None:
         super().__init__()

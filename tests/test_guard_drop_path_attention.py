@@ -18,7 +18,8 @@ import flguard
 from flguard import GuardConfig, check_model, make_guarded
 from flguard.risk.dropout_draws import DropoutDraws, ReplayedDropPath
 from flguard.risk.operator import JacobianOperator
-from risk_reference import assert_certified_on_dense_float64, clipped_upload_jacobians, sample_gradient
+from risk_reference import (assert_certified_on_dense_float64, assert_products_match_dense, clipped_upload_jacobians,
+                            sample_gradient)
 
 MEAN, STD = (0.5, 0.4, 0.3), (0.25, 0.2, 0.3)
 
@@ -282,45 +283,40 @@ class SequenceFirstViT(nn.Module):
 
 @pytest.mark.parametrize("path", ["cached", "direct", "one at a time"])
 def test_a_sequence_first_transformer_layer_is_replayed_per_sample_against_dense_float64(path):
-    """``nn.TransformerEncoderLayer`` with its defaults' (L, N, E) layout: the masks are stored batch first (their
-    batch's place kept, ``check_batch``) and each sample's column replayed in place; J_iv, J_iᵀu, K_iu and the
-    per-sample gradients equal dense Jacobians of each sample's pass with its masks — read off the layers by hooks —
-    as plain multipliers, on all three paths."""
+    """``nn.TransformerEncoderLayer`` with its defaults' (L, N, E) layout, as many tokens as samples (L = N = 4): each
+    mask's batch is found from a one-sample pass's shapes and put first (its place kept, ``check_batch``), each
+    sample's column replayed in place; J_iv, J_iᵀu, K_iu and the per-sample gradients equal dense Jacobians of each
+    sample's pass with its masks — read off the layers by hooks — as plain multipliers, on all three paths."""
     torch.manual_seed(0)
     model = SequenceFirstViT().double().train()
-    x, y = torch.randn(3, 3, 4, 4, dtype=torch.float64), torch.tensor([0, 1, 2])  # L = 4 tokens, N = 3
+    x, y = torch.randn(4, 3, 4, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0])  # L = 4 tokens, N = 4
     seen, handles = model.masks_of_the_next_pass()
     op = JacobianOperator(model, x, y, products="cached" if path == "cached" else "direct")
     for handle in handles:
         handle.remove()
     if path == "one at a time":
         op.sample_chunk = 1
-    assert [tuple(d.shape) for d in op.draws] == [(3, 1, 4, 8), (3, 1, 4, 16), (3, 1, 4, 8)]
+    assert [tuple(d.shape) for d in op.draws] == [(4, 1, 4, 8), (4, 1, 4, 16), (4, 1, 4, 8)]
     forward = model.masked_forward(seen)
-    jac = clipped_upload_jacobians(model, x, y, 1.0, torch.zeros(3, dtype=torch.bool), forward)
-    g = torch.Generator().manual_seed(1)
-    v = torch.randn(3, 2, op.dtheta, generator=g, dtype=torch.float64)
-    u = torch.randn(3, 2, op.dx, generator=g, dtype=torch.float64)
-    close = dict(rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(op.j(v), torch.einsum("bap,bkp->bka", jac, v), **close)
-    torch.testing.assert_close(op.jt(u), torch.einsum("bap,bka->bkp", jac, u), **close)
-    torch.testing.assert_close(op.kmv(u), torch.einsum("bap,bcp,bkc->bka", jac, jac, u), **close)
+    unclipped = torch.zeros(4, dtype=torch.bool)
+    assert_products_match_dense(op, clipped_upload_jacobians(model, x, y, 1.0, unclipped, forward))
     params = {n: p.detach() for n, p in model.named_parameters()}
-    per = torch.stack([sample_gradient(model, forward, params, x[i], y[i], i) for i in range(3)])
-    torch.testing.assert_close(op.per_sample_gradients(), per, **close)
+    per = torch.stack([sample_gradient(model, forward, params, x[i], y[i], i) for i in range(4)])
+    torch.testing.assert_close(op.per_sample_gradients(), per, rtol=1e-9, atol=1e-12)
 
 
 def test_make_guarded_sends_a_sequence_first_transformers_steps_certified_against_dense_float64():
     """The user's loop on a sequence-first transformer layer, unchanged: the step is sent, ``.grad`` is the gradient
-    of the user's own pass and its noise certifies every kept sample against dense float64 I²F of that masked map;
-    two accumulated micro-batches (each pass's masks put batch first, then concatenated) are sent too."""
+    of the user's own pass and its noise certifies every kept sample against dense float64 I²F of that masked map —
+    with as many samples as the width (N = E = 8); two accumulated micro-batches of as many samples as tokens (each
+    pass's masks put batch first, then concatenated) are sent too."""
     config = GuardConfig(pixel_mean=MEAN, pixel_std=STD, seed=3, clip_per_sample="median", max_excluded=0.25,
                          max_rel_noise=40.0, rtol=1e-2)
     torch.manual_seed(0)
     model = SequenceFirstViT().double().train()
     model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.0),
                                                nn.CrossEntropyLoss(), config)
-    x, y = torch.rand(6, 3, 4, 4, dtype=torch.float64), torch.arange(6) % 3
+    x, y = torch.rand(8, 3, 4, 4, dtype=torch.float64), torch.arange(8) % 3
     seen, handles = model.masks_of_the_next_pass()
     optimizer.zero_grad()
     criterion(model(x), y).backward()
@@ -331,7 +327,7 @@ def test_make_guarded_sends_a_sequence_first_transformers_steps_certified_agains
     assert report.met, report.reason
     assert_certified_on_dense_float64(model, x, y, config, report, forward=model.masked_forward(seen))
     optimizer.zero_grad()
-    for part in (slice(0, 3), slice(3, 6)):
+    for part in (slice(0, 4), slice(4, 8)):
         criterion(model(x[part]), y[part]).backward()
     optimizer.step()
     assert optimizer.guard_reports[1].details["micro_batches"] == 2 and optimizer.guard_reports[1].met

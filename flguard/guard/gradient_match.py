@@ -39,10 +39,11 @@ def refuse_gradient(sent: torch.Tensor, reference: torch.Tensor, autocast: Autoc
     if calls > passes:
         raise GuardMisuse(f"the guarded criterion was called {calls} times for {passes} forward pass(es) since the "
                           f"last optimizer.step(), and .grad is not the gradient of one call per pass ({found}): the "
-                          "guard measures one criterion call per pass — a loss made of several on one output (mixup, "
-                          "CutMix: lam·criterion(out, y) + (1 − lam)·criterion(out, y[perm])) is the same loss as one "
-                          "call with the mixed targets as class probabilities: criterion(out, lam·one_hot(y) + "
-                          "(1 − lam)·one_hot(y[perm])) (torch.nn.functional.one_hot(y, classes).float())")
+                          "guard measures one criterion call per pass — a loss made of several on one output "
+                          "(mixup, CutMix: lam·criterion(out, y) + (1 − lam)·criterion(out, y[perm])) is the same "
+                          "loss as one call with the mixed targets as class probabilities: criterion(out, "
+                          "lam·one_hot(y) + (1 − lam)·one_hot(y[perm])) (torch.nn.functional.one_hot(y, "
+                          "classes).float())")
     if passes > 1:
         raise GuardMisuse(f"{passes} forward passes of the guarded model since the last optimizer.step(), and .grad is "
                           f"neither the last one's gradient ({found}) nor the sum of the latest ones': an extra "

@@ -222,8 +222,9 @@ def check_batch(draws: Sequence[torch.Tensor], batch: int,
         if len(places) != 1 or multiplier.shape[places[0]] != batch or one[places[0]] != 1:
             raise ValueError(f"a train-mode dropout on a tensor of shape {tuple(multiplier.shape)} ({tuple(one)} for "
                              f"one sample): no one dimension of it is the batch of {batch} samples, so the guard "
-                             "cannot tell which of its elements are whose (a mask shared by the samples, on a weight; "
-                             "an activation flattened or paired across the batch) — it replays each sample's own mask")
+                             "cannot tell which of its elements are whose (a mask shared by the samples, on a "
+                             "weight; an activation flattened or paired across the batch) — it replays each "
+                             "sample's own mask")
         if places[0] == 0:
             out.append(multiplier)
             continue
@@ -258,9 +259,9 @@ SPLIT_RTOL = 1e-4
 def check_split(sample_forward: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor],
                 batch_forward: Callable[[], torch.Tensor], x: torch.Tensor, draws: Sequence[torch.Tensor]) -> None:
     """``ValueError`` unless each sample's pass with its own rows of ``draws`` — ``sample_forward(x_i, d_i)``, vmapped
-    over the batch — gives its row of the batch's pass ``batch_forward()`` (both without gradients): where the dimension
-    ``check_batch`` found from the shapes alone is not the samples' (rows that mix samples), each sample would
-    otherwise get another's masks."""
+    over the batch — gives its row of the batch's pass ``batch_forward()`` (both without gradients): where the
+    dimension ``check_batch`` found from the shapes alone is not the samples' (rows that mix samples), each sample
+    would otherwise get another's masks."""
     with torch.no_grad():
         rows, batch_output = vmap(sample_forward)(x, tuple(draws)), batch_forward()
     gap, scale = float((rows - batch_output).abs().max()), float(batch_output.abs().max())

@@ -99,3 +99,31 @@ def test_make_guarded_sends_a_recurrent_models_steps(name, dropout):
         criterion(model(x), y).backward()
         optimizer.step()
     assert [r.met for r in optimizer.guard_reports] == [True, True]
+
+
+@pytest.mark.parametrize("name", list(CELLS))
+def test_the_rewrite_gives_pytorchs_outputs_and_final_states_stacked_bidirectional_with_given_states(name):
+    """The plain-operator recurrences (``flguard.risk.recurrent``) against PyTorch's kernels on a stacked
+    bidirectional sequence-first layer with given initial states (the LSTM with a projection, the RNN with ReLU):
+    the output and every final state, in PyTorch's (layer, direction) order, to float64 rounding."""
+    from torch.overrides import TorchFunctionMode
+
+    from flguard.risk.recurrent import CELLS as REWRITTEN
+    from flguard.risk.recurrent import recurrent
+
+    class Rewrite(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            value = recurrent(func, args, kwargs or {}, None) if func in REWRITTEN else None
+            return func(*args, **(kwargs or {})) if value is None else value
+
+    torch.manual_seed(0)
+    options = {"lstm": {"proj_size": 2}, "gru": {}, "rnn": {"nonlinearity": "relu"}}[name]
+    layer = CELLS[name](4, 3, num_layers=2, bidirectional=True, **options).double()
+    x = torch.randn(5, 2, 4, dtype=torch.float64)
+    h0 = torch.randn(4, 2, 2 if name == "lstm" else 3, dtype=torch.float64)
+    hx = (h0, torch.randn(4, 2, 3, dtype=torch.float64)) if name == "lstm" else h0
+    expected = layer(x, hx)
+    with Rewrite():
+        got = layer(x, hx)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

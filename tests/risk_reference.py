@@ -137,6 +137,21 @@ def sample_gradient(model, forward, params, xi, yi, i):
     return torch.cat([t.reshape(-1) for t in tree.values()])
 
 
+def step_reading_masks(model, optimizer, criterion, x, y, read_masks):
+    """One ``make_guarded`` step of ``model`` on (x, y) with the masks of the user's own pass read off its dropout
+    layers (``read_masks()`` → (the masks it fills, its hook handles), removed before the step); (its report, which
+    must be met, and the masks)."""
+    seen, handles = read_masks()
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    for handle in handles:
+        handle.remove()
+    optimizer.step()
+    report = optimizer.guard_reports[-1]
+    assert report.met, report.reason
+    return report, seen
+
+
 def assert_products_match_dense(op, jac: torch.Tensor, vectors: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """The operator's J_iv, J_iᵀu and K_iu against dense J [B, dx, dθ] (float64, 1e-9) on seeded random vectors, so
     many per sample; returns (v, u) for further checks."""

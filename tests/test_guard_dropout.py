@@ -20,7 +20,7 @@ from flguard.risk.functional import functional_forward
 from flguard.risk.operator import JacobianOperator
 from guard_settings import unclipped
 from risk_reference import (sample_gradient, assert_certified_on_dense_float64, assert_products_match_dense,
-                            assert_reported_rmse, clipped_upload_jacobians)
+                            assert_reported_rmse, clipped_upload_jacobians, step_reading_masks)
 
 MEAN, STD = (0.5, 0.4, 0.3), (0.25, 0.2, 0.3)
 
@@ -124,14 +124,7 @@ def _guarded_step(config: GuardConfig, seed: int = 0):
     model, x, y = _problem(seed=seed)
     model, optimizer, criterion = make_guarded(model, torch.optim.SGD(model.parameters(), lr=0.0),
                                                nn.CrossEntropyLoss(), config)
-    seen, handles = _masks_of_the_next_pass(model)
-    optimizer.zero_grad()
-    criterion(model(x), y).backward()
-    for handle in handles:
-        handle.remove()
-    optimizer.step()
-    report = optimizer.guard_reports[0]
-    assert report.met, report.reason
+    report, seen = step_reading_masks(model, optimizer, criterion, x, y, lambda: _masks_of_the_next_pass(model))
     return model, x, y, report, _masked_forward(model, (seen["channel"], seen["path"], seen["feature"]))
 
 

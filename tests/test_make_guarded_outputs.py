@@ -77,6 +77,19 @@ def test_a_loss_on_two_parts_of_the_output_is_refused():
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_part_of_the_output_transformed_before_the_criterion_is_refused_naming_the_fix(shape):
+    """The criterion's prediction computed from a part of a structured output outside the model (a log-softmax): the
+    step is refused naming the fix (fold it into the criterion), nothing applied."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.rand(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
+    model = Structured(_resnet(), shape)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(GuardMisuse, match="fold it into the criterion"):
+        _step(model, lambda out: torch.log_softmax(SHAPES[shape][1](out), 1), x, y)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
 def test_output_path_finds_the_very_tensor_and_nothing_equal_to_it():
     logits = torch.zeros(2, 3)
     assert output_path({"a": [1, (logits,)]}, logits) == ("a", 1, 0)

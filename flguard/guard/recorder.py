@@ -162,9 +162,7 @@ def output_path(output: Any, prediction: Any, depth: int = OUTPUT_DEPTH) -> tupl
         return ()
     if depth == 0 or isinstance(output, torch.Tensor):
         return None
-    items = (output.items() if isinstance(output, Mapping) else
-             enumerate(output) if isinstance(output, (tuple, list)) else ())
-    for key, value in items:
+    for key, value in _parts(output):
         inner = output_path(value, prediction, depth - 1)
         if inner is not None:
             return (key, *inner)
@@ -175,13 +173,24 @@ def output_path(output: Any, prediction: Any, depth: int = OUTPUT_DEPTH) -> tupl
 DERIVATION_NODES = 64
 
 
+def _parts(output: Any):
+    """(key or index, value) of a structured output: a mapping's items, a tuple's or list's entries; none otherwise."""
+    if isinstance(output, Mapping):
+        return output.items()
+    return enumerate(output) if isinstance(output, (tuple, list)) else ()
+
+
+def _tensors(output: Any, depth: int = OUTPUT_DEPTH) -> list[torch.Tensor]:
+    """The tensors of a model's output, as deep as ``output_path`` looks."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    return [] if depth == 0 else [t for _, value in _parts(output) for t in _tensors(value, depth - 1)]
+
+
 def computed_from(prediction: Any, output: Any) -> bool:
     """Whether ``prediction``'s autograd graph reaches, within DERIVATION_NODES nodes, the node that made a tensor of
     ``output`` (a model's output, possibly structured): the prediction was computed from it (a reason's hint)."""
-    tensors = [output] if isinstance(output, torch.Tensor) else (
-        list(output.values()) if isinstance(output, Mapping) else list(output) if isinstance(output, (tuple, list))
-        else [])
-    made = {t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    made = {t.grad_fn for t in _tensors(output) if t.grad_fn is not None}
     start = getattr(prediction, "grad_fn", None)
     frontier, seen = ([start] if start is not None else []), set()
     while frontier and len(seen) < DERIVATION_NODES:

@@ -41,6 +41,8 @@ optimizer uses the session's guard (the mod's configuration).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
@@ -282,37 +284,35 @@ class GuardedOptimizer(torch.optim.Optimizer):
                               "but no guarded Flower train message is being handled; pass a GuardConfig")
         return session.guard
 
-    def _probe(self, mode: DropoutDraws, x: torch.Tensor) -> None:
-        """The model on ``x`` under ``mode`` (a probing ``DropoutDraws``), unrecorded, its buffers left as they were."""
+    @contextmanager
+    def _unrecorded(self) -> Iterator[None]:
+        """The guard's own passes of the model: not recorded, its buffers (BatchNorm running statistics) left as they
+        were."""
         buffers = {name: b.detach().clone() for name, b in self._model.named_buffers()}
         self._recorder.paused = True
         try:
-            with mode:
-                self._model(x)
+            yield
         finally:
             self._recorder.paused = False
             with torch.no_grad():
                 for name, b in self._model.named_buffers():
                     b.copy_(buffers[name])
 
+    def _probe(self, mode: DropoutDraws, x: torch.Tensor) -> None:
+        """The model on ``x`` under ``mode`` (a probing ``DropoutDraws``), unrecorded."""
+        with self._unrecorded(), mode:
+            self._model(x)
+
     def _recompute(self, params: list[nn.Parameter], x: torch.Tensor, y: torch.Tensor,
                    autocast: AutocastState, path: tuple = (), draws: tuple = ()) -> torch.Tensor:
         """∇θ criterion(the part at ``path`` of model(x), y) with ``autocast`` as given (``()``: float32) and the
         pass's dropout masks replayed (``draws``), leaving buffers (BatchNorm running statistics) as they were."""
-        buffers = {name: b.detach().clone() for name, b in self._model.named_buffers()}
-        self._recorder.paused = True
-        try:
-            with torch.enable_grad(), autocast_as(autocast):
-                with DropoutDraws(draws) as replay:
-                    output = self._model(x)
-                replay.finish()
-                loss = self._criterion(select(output, path), y)
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
-        finally:
-            self._recorder.paused = False
-            with torch.no_grad():
-                for name, b in self._model.named_buffers():
-                    b.copy_(buffers[name])
+        with self._unrecorded(), torch.enable_grad(), autocast_as(autocast):
+            with DropoutDraws(draws) as replay:
+                output = self._model(x)
+            replay.finish()
+            loss = self._criterion(select(output, path), y)
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
         return torch.cat([(g if g is not None else torch.zeros_like(p)).detach().reshape(-1)
                           for g, p in zip(grads, params)])
 

@@ -149,9 +149,10 @@ class DropoutDraws(TorchFunctionMode):
     def _recurrent(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A recurrent layer that drops between its layers while training: run in plain operators
         (``flguard.risk.recurrent``), the drops through ``attention_dropout``; otherwise PyTorch's own."""
-        value = recurrent(func, args, kwargs, self.attention_dropout) if drops_between_layers(args) else None
+        drops = drops_between_layers(args)
+        value = recurrent(func, args, kwargs, self.attention_dropout) if drops else None
         if value is None:
-            self.problem = PACKED if drops_between_layers(args) else self.problem
+            self.problem = PACKED if drops else self.problem  # a packed sequence: its drops are PyTorch's own
             return func(*args, **kwargs)
         return value
 

@@ -53,6 +53,7 @@ from flguard.risk.functional import functional_forward, uncompiled
 from flguard.risk.loss_split import split_loss
 from flguard.risk.sample_autograd import SampleAutograd
 from flguard.risk.transposed_input_grads import InputOnly, transposed_input_grads
+from flguard.risk.unfolded_convs import unfolded_per_sample_convs
 
 #: Build the cached Jᵀ pullback with every 2-D convolution's input gradient recorded as a transposed convolution
 #: (``flguard.risk.transposed_input_grads``), as the one-at-a-time path does. Off: measured on an H200 (docs/results.md,
@@ -221,10 +222,11 @@ class JacobianOperator(DirectProducts):
             if not self.coupled:
                 def cached() -> torch.Tensor:
                     pullback = self._transpose_pullback()
+                    scaled = self.scale * u  # the pullback is linear: scale its dx floats, not the [B, k, dθ] result
                     if k == 1:  # one vector per sample (every solver step): no vmap layer (measured 10–25% faster)
-                        return self.scale * self._flat_rows(pullback(u[:, 0])[0]).unsqueeze(1)
-                    return self.scale * vmap(lambda w: self._flat_rows(pullback(w)[0]), in_dims=1, out_dims=1,
-                                             chunk_size=self.chunk_size)(u)
+                        return self._flat_rows(pullback(scaled[:, 0])[0]).unsqueeze(1)
+                    return vmap(lambda w: self._flat_rows(pullback(w)[0]), in_dims=1, out_dims=1,
+                                chunk_size=self.chunk_size)(scaled)
                 return self._cached_or_direct(cached, direct)
             tangents = torch.zeros(batch, k, batch, self.dx, dtype=u.dtype, device=u.device)
             idx = torch.arange(batch, device=u.device)
@@ -290,14 +292,11 @@ class JacobianOperator(DirectProducts):
                 return grad(lambda z: self._one_loss(params, z, yi, di))(xi).reshape(-1)
             per_sample = {n: p.unsqueeze(0).expand(self.batch_size, *p.shape) for n, p in self.params.items()}
 
-            def build() -> Callable:
-                return vjp(lambda params: vmap(input_gradient)(params, self.x, self.y, self.draws), per_sample)[1]
-            if CACHED_TRANSPOSED_INPUT_GRADS:
-                input_only = InputOnly()  # the build's inner gradient is to the input only; the pullback's, to both
-                with transposed_input_grads(input_only), input_only():
-                    self._cached_transpose = build()
-            else:
-                self._cached_transpose = build()
+            input_only = InputOnly()  # the build's inner gradient is to the input only; the pullback's, to both
+            rerouted = transposed_input_grads(input_only) if CACHED_TRANSPOSED_INPUT_GRADS else contextlib.nullcontext()
+            with rerouted, input_only(), unfolded_per_sample_convs(self.device):  # few-channel convolutions unfolded
+                self._cached_transpose = vjp(lambda params: vmap(input_gradient)(params, self.x, self.y, self.draws),
+                                             per_sample)[1]
         return self._cached_transpose
 
     def _flat_rows(self, tree: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,79 @@
+"""Few-channel convolutions with a weight per sample as unfold + batched matmul: the cached Jᵀ pullback's form on
+the CPU.
+
+The operator's cached Jᵀ product (``JacobianOperator._transpose_pullback``) differentiates every sample's input
+gradient with respect to its own copy of the parameters, so under ``vmap`` each 2-D convolution carries a weight
+per sample, which ``torch.func`` runs as one grouped convolution (groups = B) and its gradients as grouped ones too.
+On the CPU, oneDNN's grouped kernels are slow where a group has few channels (below its 16-channel blocks): the
+quickstart CNN's 1→6 and 6→16 layers at B = 32 ran at a few GFLOP/s. Written as what it is — the input unfolded
+into its patches, [C_in·k_h·k_w, L] per sample, times the sample's weight matrix [C_out, C_in·k_h·k_w] — the same
+convolution is one batched matmul under ``vmap``, and its derivatives are matmuls and folds. Measured on one CPU thread
+(docs/results.md, "Few-channel convolutions as batched matmuls"), the cached Jᵀ product of the quickstart CNN at
+B = 32 8.8 → 6.0 ms and its K product 14.6 → 12.0 ms; ResNet-8-GN's (4–16 channels) K product 62 → 57 ms; ResNet-20-GN's,
+whose stem alone has fewer than 16 channels, 156 → 147 ms at B = 8. Layers of 16 channels or more in and out stay
+PyTorch's: there the grouped kernel is the faster one (ResNet-20-GN with every layer unfolded: 145 → 177 ms).
+
+Only ``F.conv2d`` with a weight that ``vmap`` batches (one per sample), groups = 1, numeric padding and fewer than
+``UNFOLD_BELOW_CHANNELS`` input or output channels is rewritten, and only on the CPU (a GPU's grouped kernels were
+not measured); the result equals PyTorch's convolution to float rounding (float64: 1e-15).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.nn.modules.utils import _pair
+from torch.overrides import TorchFunctionMode
+
+#: Rewrite the cached Jᵀ pullback's few-channel convolutions (module doc). False: PyTorch's grouped convolutions.
+UNFOLD_PER_SAMPLE_CONVS = True
+
+#: A convolution with fewer input or output channels than this is unfolded (oneDNN's blocks are 16 channels wide).
+UNFOLD_BELOW_CHANNELS = 16
+
+
+def unfolded_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any = 1,
+                    padding: Any = 0, dilation: Any = 1) -> torch.Tensor:
+    """``F.conv2d(x, weight, bias, stride, padding, dilation)`` (groups = 1, numeric padding) as the unfolded input
+    times the weight matrix: x [N, C_in, H, W] → [N, C_out, H', W']."""
+    (sh, sw), (ph, pw), (dh, dw) = _pair(stride), _pair(padding), _pair(dilation)
+    out_channels, _, kh, kw = weight.shape
+    height = (x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    width = (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    patches = F.unfold(x, (kh, kw), dilation=(dh, dw), padding=(ph, pw), stride=(sh, sw))  # [N, C_in·kh·kw, L]
+    out = torch.matmul(weight.reshape(out_channels, -1), patches).reshape(x.shape[0], out_channels, height, width)
+    return out if bias is None else out + bias.reshape(1, -1, 1, 1)
+
+
+def _per_sample_weight(weight: torch.Tensor) -> bool:
+    """Whether ``vmap`` batches ``weight`` (a weight per sample) at the outermost transform level."""
+    return bool(torch._C._functorch.is_batchedtensor(weight))
+
+
+class _UnfoldPerSampleConvs(TorchFunctionMode):
+    _NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.conv2d:
+            given = {**dict(zip(self._NAMES, args)), **kwargs}
+            x, weight, padding = given["input"], given["weight"], given.get("padding", 0)
+            if (x.dim() == 4 and given.get("groups", 1) == 1 and not isinstance(padding, str)
+                    and min(weight.shape[0], weight.shape[1]) < UNFOLD_BELOW_CHANNELS and _per_sample_weight(weight)):
+                return unfolded_conv2d(x, weight, given.get("bias"), given.get("stride", 1), padding,
+                                       given.get("dilation", 1))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def unfolded_per_sample_convs(device: torch.device) -> Iterator[None]:
+    """Record the passes run inside with few-channel per-sample-weight convolutions unfolded (module doc) — on the
+    CPU and while ``UNFOLD_PER_SAMPLE_CONVS``; elsewhere as PyTorch records them."""
+    if UNFOLD_PER_SAMPLE_CONVS and torch.device(device).type == "cpu":
+        with _UnfoldPerSampleConvs():
+            yield
+    else:
+        yield

@@ -7,11 +7,12 @@ per sample, which ``torch.func`` runs as one grouped convolution (groups = B) an
 On the CPU, oneDNN's grouped kernels are slow where a group has few channels (below its 16-channel blocks): the
 quickstart CNN's 1→6 and 6→16 layers at B = 32 ran at a few GFLOP/s. Written as what it is — the input unfolded
 into its patches, [C_in·k_h·k_w, L] per sample, times the sample's weight matrix [C_out, C_in·k_h·k_w] — the same
-convolution is one batched matmul under ``vmap``, and its derivatives are matmuls and folds. Measured on one CPU thread
-(docs/results.md, "Few-channel convolutions as batched matmuls"), the cached Jᵀ product of the quickstart CNN at
-B = 32 8.8 → 6.0 ms and its K product 14.6 → 12.0 ms; ResNet-8-GN's (4–16 channels) K product 62 → 57 ms; ResNet-20-GN's,
-whose stem alone has fewer than 16 channels, 156 → 147 ms at B = 8. Layers of 16 channels or more in and out stay
-PyTorch's: there the grouped kernel is the faster one (ResNet-20-GN with every layer unfolded: 145 → 177 ms).
+convolution is one batched matmul under ``vmap``, and its derivatives are matmuls and folds. Measured on one CPU
+thread (docs/results.md, "Few-channel convolutions as batched matmuls"; ``benchmarks/bench_unfolded_convs.py``):
+the trained quickstart CNN's cached Jᵀ product at B = 32 8.8 → 6.0 ms, its K product 15.6 → 12.5 ms, its first
+K product (which builds the pullbacks) 73 → 34 ms; ResNet-20-GN, whose stem alone has fewer than 16 channels, unchanged. Layers
+of 16 channels or more in and out stay PyTorch's: there the grouped kernel is the faster one (ResNet-20-GN with every
+layer unfolded: its K product 145 → 177 ms).
 
 Only ``F.conv2d`` with a weight that ``vmap`` batches (one per sample), groups = 1, numeric padding and fewer than
 ``UNFOLD_BELOW_CHANNELS`` input or output channels is rewritten, and only on the CPU (a GPU's grouped kernels were

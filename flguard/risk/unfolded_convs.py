@@ -10,9 +10,9 @@ into its patches, [C_in·k_h·k_w, L] per sample, times the sample's weight matr
 convolution is one batched matmul under ``vmap``, and its derivatives are matmuls and folds. Measured on one CPU
 thread (docs/results.md, "Few-channel convolutions as batched matmuls"; ``benchmarks/bench_unfolded_convs.py``):
 the trained quickstart CNN's cached Jᵀ product at B = 32 8.8 → 6.0 ms, its K product 15.6 → 12.5 ms, its first
-K product (which builds the pullbacks) 73 → 34 ms; ResNet-20-GN, whose stem alone has fewer than 16 channels, unchanged. Layers
-of 16 channels or more in and out stay PyTorch's: there the grouped kernel is the faster one (ResNet-20-GN with every
-layer unfolded: its K product 145 → 177 ms).
+K product (which builds the pullbacks) 73 → 34 ms; ResNet-20-GN, whose stem alone has fewer than 16 channels,
+unchanged. Layers of 16 channels or more in and out stay PyTorch's: there the grouped kernel is the faster one
+(ResNet-20-GN with every layer unfolded: its K product 145 → 177 ms).
 
 Only ``F.conv2d`` with a weight that ``vmap`` batches (one per sample), groups = 1, numeric padding and fewer than
 ``UNFOLD_BELOW_CHANNELS`` input or output channels is rewritten, and only on the CPU (a GPU's grouped kernels were

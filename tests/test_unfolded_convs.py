@@ -47,9 +47,11 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     return calls
 
 
-def test_only_few_channel_convolutions_with_a_weight_per_sample_are_rewritten(monkeypatch):
-    """Under vmap with a weight per sample: a 3 → 8 layer is unfolded (equal to the grouped convolution), a 16 → 16
-    layer is not, nor is a shared weight, nor anything outside the context or off the CPU."""
+def test_only_few_channel_convolutions_with_a_weight_per_sample_and_image_layers_are_rewritten(monkeypatch):
+    """Under vmap: a 3 → 8 layer with a weight per sample is unfolded (equal to the grouped convolution), and so is a
+    3-channel image layer with one weight for the batch inside ``grad`` (the J pullback's form); a 16 → 16 layer
+    with a weight per sample is not, nor a shared weight on 16 channels, nor anything outside the context, outside
+    vmap or off the CPU."""
     calls = _counting(monkeypatch)
     torch.manual_seed(0)
     x = torch.randn(4, 3, 7, 7, dtype=torch.float64)
@@ -59,19 +61,26 @@ def test_only_few_channel_convolutions_with_a_weight_per_sample_are_rewritten(mo
 
     def per_sample(xi, wi):
         return F.conv2d(xi.unsqueeze(0), wi, padding=1)[0]
+
+    def weight_gradient(xi, wi):  # a shared weight inside grad under vmap: the cached J pullback's form
+        return torch.func.grad(lambda w: per_sample(xi, w).square().sum())(wi)
     want = torch.stack([per_sample(xi, wi) for xi, wi in zip(x, few)])
+    want_grad = torch.stack([weight_gradient(xi, few[0]) for xi in x])
     with unfolded_per_sample_convs(torch.device("cpu")):
         got = vmap(per_sample)(x, few)
-        assert len(calls) == 1
+        assert calls == [(8, 3, 3, 3)]
+        got_grad = vmap(lambda xi: weight_gradient(xi, few[0]))(x)
+        assert calls == [(8, 3, 3, 3)] * 2
         vmap(per_sample)(xw, wide)  # 16 channels in and out: PyTorch's grouped kernel
-        vmap(lambda xi: per_sample(xi, few[0]))(x)  # one weight for every sample
+        vmap(lambda xi: weight_gradient(xi, wide[0]))(xw)  # a shared weight on 16 input channels
         F.conv2d(x, few[0], padding=1)  # no vmap
-    assert calls == [(8, 3, 3, 3)]
+    assert len(calls) == 2
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
     vmap(per_sample)(x, few)  # outside the context
     with unfolded_per_sample_convs(torch.device("meta")):  # another device: not rewritten
         vmap(per_sample)(x, few)
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def _resnet_shaped() -> nn.Module:
@@ -105,8 +114,10 @@ def test_the_operators_cached_products_through_unfolded_convolutions_match_the_d
     u = torch.randn(3, 2, op.dx, dtype=torch.float64)
     want_jt = torch.einsum("bap,bka->bkp", jac, u)
     torch.testing.assert_close(op.jt(u), want_jt, rtol=1e-9, atol=1e-12)
-    assert sorted(set(calls)) == [(4, 3, 3, 3), (4, 4, 3, 3), (6, 4, 5, 5)]  # every convolution, in the build
+    assert sorted(set(calls)) == [(4, 3, 3, 3), (4, 4, 3, 3), (6, 4, 5, 5)]  # every convolution, in the Jᵀ build
     torch.testing.assert_close(op.kmv(u), torch.einsum("bap,bkp->bka", jac, want_jt), rtol=1e-9, atol=1e-12)
+    v = torch.randn(3, 2, op.dtheta, dtype=torch.float64)
+    torch.testing.assert_close(op.j(v), torch.einsum("bap,bkp->bka", jac, v), rtol=1e-9, atol=1e-12)
     monkeypatch.setattr(unfolded_convs, "UNFOLD_PER_SAMPLE_CONVS", False)
     built = len(calls)
     plain = JacobianOperator(model, x, y, products="cached")

@@ -336,7 +336,8 @@ class JacobianOperator(DirectProducts):
             with batchnorm_without_running_stats(self.model):
                 gradients = (self._batch_grad if self.coupled
                              else lambda inputs: vmap(self._sample_grad)(inputs, self.y, self.draws))
-                primal, self._cached_pullback = vjp(gradients, self.x)
+                with unfolded_per_sample_convs(self.device):  # an image's first layer unfolded (CPU)
+                    primal, self._cached_pullback = vjp(gradients, self.x)
                 if not self.coupled:
                     self._per_sample = primal.detach()
         return self._cached_pullback

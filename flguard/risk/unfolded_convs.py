@@ -1,4 +1,4 @@
-"""Few-channel convolutions with a weight per sample as unfold + batched matmul: the cached Jᵀ pullback's form on
+"""Few-channel convolutions under ``vmap`` as unfold + batched matmul: the form of the operator's cached pullbacks on
 the CPU.
 
 The operator's cached Jᵀ product (``JacobianOperator._transpose_pullback``) differentiates every sample's input
@@ -7,16 +7,19 @@ per sample, which ``torch.func`` runs as one grouped convolution (groups = B) an
 On the CPU, oneDNN's grouped kernels are slow where a group has few channels (below its 16-channel blocks): the
 quickstart CNN's 1→6 and 6→16 layers at B = 32 ran at a few GFLOP/s. Written as what it is — the input unfolded
 into its patches, [C_in·k_h·k_w, L] per sample, times the sample's weight matrix [C_out, C_in·k_h·k_w] — the same
-convolution is one batched matmul under ``vmap``, and its derivatives are matmuls and folds. Measured on one CPU
-thread (docs/results.md, "Few-channel convolutions as batched matmuls"; ``benchmarks/bench_unfolded_convs.py``):
-the trained quickstart CNN's cached Jᵀ product at B = 32 8.8 → 6.0 ms, its K product 15.6 → 12.5 ms, its first
-K product (which builds the pullbacks) 73 → 34 ms; ResNet-20-GN, whose stem alone has fewer than 16 channels,
-unchanged. Layers of 16 channels or more in and out stay PyTorch's: there the grouped kernel is the faster one
-(ResNet-20-GN with every layer unfolded: its K product 145 → 177 ms).
+convolution is one batched matmul under ``vmap``, and its derivatives are matmuls and folds. The cached J pullback
+(one weight for the batch, per-sample inputs inside ``grad``) gains the same on an image's first layer, whose
+backward to 1–3 input channels oneDNN runs slowly (the CNN's: 2.2 ms of a 6 ms J product). Measured on one CPU thread
+(docs/results.md, "Few-channel convolutions as batched matmuls"; ``benchmarks/bench_unfolded_convs.py``): the trained
+quickstart CNN's cached K product at B = 32 0.72× (Jᵀ 0.65×, J 0.83×), ResNet-8-GN's (4–16 channels) 0.91×,
+ResNet-20-GN's, whose stem alone has fewer than 16 channels, 1.01×. Layers of 16 channels or more stay PyTorch's:
+there the grouped kernel is the faster one (ResNet-20-GN with every layer unfolded: its K product 145 → 177 ms), as
+are the shared-weight layers after the first (ResNet-8-GN's J product with all of them unfolded: 26 → 35 ms).
 
-Only ``F.conv2d`` with a weight that ``vmap`` batches (one per sample), groups = 1, numeric padding and fewer than
-``UNFOLD_BELOW_CHANNELS`` input or output channels is rewritten, and only on the CPU (a GPU's grouped kernels were
-not measured); the result equals PyTorch's convolution to float rounding (float64: 1e-15).
+Rewritten: ``F.conv2d`` with groups = 1 and numeric padding whose weight ``vmap`` batches (one per sample) with fewer
+than ``UNFOLD_BELOW_CHANNELS`` input or output channels, or whose weight is shared and whose per-sample input has at
+most ``UNFOLD_IMAGE_CHANNELS`` channels — only on the CPU (a GPU's grouped kernels were not measured); the result
+equals PyTorch's convolution to float rounding (float64: 1e-15).
 """
 
 from __future__ import annotations
@@ -29,11 +32,15 @@ import torch.nn.functional as F
 from torch.nn.modules.utils import _pair
 from torch.overrides import TorchFunctionMode
 
-#: Rewrite the cached Jᵀ pullback's few-channel convolutions (module doc). False: PyTorch's grouped convolutions.
+#: Rewrite the cached pullbacks' few-channel convolutions (module doc). False: PyTorch's convolutions.
 UNFOLD_PER_SAMPLE_CONVS = True
 
 #: A convolution with fewer input or output channels than this is unfolded (oneDNN's blocks are 16 channels wide).
 UNFOLD_BELOW_CHANNELS = 16
+
+#: A convolution with one weight for the batch and per-sample inputs (the cached J pullback's) is unfolded where its
+#: input has at most this many channels: an image's first layer.
+UNFOLD_IMAGE_CHANNELS = 3
 
 
 def unfolded_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any = 1,
@@ -54,6 +61,24 @@ def _per_sample_weight(weight: torch.Tensor) -> bool:
     return bool(torch._C._functorch.is_batchedtensor(weight))
 
 
+def _batched_below(t: torch.Tensor) -> bool:
+    """Whether ``vmap`` batches ``t`` at some level under the gradient transforms that wrap it (a per-sample input
+    inside ``grad``: the cached J pullback's ``vmap(grad(…))``)."""
+    functorch = torch._C._functorch
+    while not functorch.is_batchedtensor(t):
+        if not functorch.is_gradtrackingtensor(t):
+            return False
+        t = functorch.get_unwrapped(t)
+    return True
+
+
+def _unfolds(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the rule (module doc) unfolds a convolution of ``x`` by ``weight`` [C_out, C_in, k_h, k_w]."""
+    if _per_sample_weight(weight):
+        return min(weight.shape[0], weight.shape[1]) < UNFOLD_BELOW_CHANNELS
+    return weight.shape[1] <= UNFOLD_IMAGE_CHANNELS and _batched_below(x)
+
+
 class _UnfoldPerSampleConvs(TorchFunctionMode):
     _NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 
@@ -62,8 +87,7 @@ class _UnfoldPerSampleConvs(TorchFunctionMode):
         if func is F.conv2d:
             given = {**dict(zip(self._NAMES, args)), **kwargs}
             x, weight, padding = given["input"], given["weight"], given.get("padding", 0)
-            if (x.dim() == 4 and given.get("groups", 1) == 1 and not isinstance(padding, str)
-                    and min(weight.shape[0], weight.shape[1]) < UNFOLD_BELOW_CHANNELS and _per_sample_weight(weight)):
+            if x.dim() == 4 and given.get("groups", 1) == 1 and not isinstance(padding, str) and _unfolds(x, weight):
                 return unfolded_conv2d(x, weight, given.get("bias"), given.get("stride", 1), padding,
                                        given.get("dilation", 1))
         return func(*args, **kwargs)
@@ -71,8 +95,8 @@ class _UnfoldPerSampleConvs(TorchFunctionMode):
 
 @contextlib.contextmanager
 def unfolded_per_sample_convs(device: torch.device) -> Iterator[None]:
-    """Record the passes run inside with few-channel per-sample-weight convolutions unfolded (module doc) — on the
-    CPU and while ``UNFOLD_PER_SAMPLE_CONVS``; elsewhere as PyTorch records them."""
+    """Record the passes run inside with the rule's convolutions unfolded (module doc) — on the CPU and while
+    ``UNFOLD_PER_SAMPLE_CONVS``; elsewhere as PyTorch records them."""
     if UNFOLD_PER_SAMPLE_CONVS and torch.device(device).type == "cpu":
         with _UnfoldPerSampleConvs():
             yield

@@ -50,8 +50,8 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
 def test_only_few_channel_convolutions_with_a_weight_per_sample_and_image_layers_are_rewritten(monkeypatch):
     """Under vmap: a 3 → 8 layer with a weight per sample is unfolded (equal to the grouped convolution), and so is a
     3-channel image layer with one weight for the batch inside ``grad`` (the J pullback's form); a 16 → 16 layer
-    with a weight per sample is not, nor a shared weight on 16 channels, nor anything outside the context, outside
-    vmap or off the CPU."""
+    with a weight per sample is not, nor a shared weight on 16 channels, nor a layer whose patches would exceed the
+    budget, nor anything outside the context, outside vmap or off the CPU."""
     calls = _counting(monkeypatch)
     torch.manual_seed(0)
     x = torch.randn(4, 3, 7, 7, dtype=torch.float64)
@@ -72,6 +72,8 @@ def test_only_few_channel_convolutions_with_a_weight_per_sample_and_image_layers
         got_grad = vmap(lambda xi: weight_gradient(xi, few[0]))(x)
         assert calls == [(8, 3, 3, 3)] * 2
         vmap(per_sample)(xw, wide)  # 16 channels in and out: PyTorch's grouped kernel
+        big = torch.randn(2, 3, 600, 600, dtype=torch.float64)  # 27 × 600² floats of patches per sample: too many
+        vmap(per_sample)(big, few[:2])
         vmap(lambda xi: weight_gradient(xi, wide[0]))(xw)  # a shared weight on 16 input channels
         F.conv2d(x, few[0], padding=1)  # no vmap
     assert len(calls) == 2

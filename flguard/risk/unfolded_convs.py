@@ -18,7 +18,8 @@ are the shared-weight layers after the first (ResNet-8-GN's J product with all o
 
 Rewritten: ``F.conv2d`` with groups = 1 and numeric padding whose weight ``vmap`` batches (one per sample) with fewer
 than ``UNFOLD_BELOW_CHANNELS`` input or output channels, or whose weight is shared and whose per-sample input has at
-most ``UNFOLD_IMAGE_CHANNELS`` channels — only on the CPU (a GPU's grouped kernels were not measured); the result
+most ``UNFOLD_IMAGE_CHANNELS`` channels, where its patches take at most ``UNFOLD_MAX_PATCH_FLOATS`` per sample — only
+on the CPU (a GPU's grouped kernels were not measured); the result
 equals PyTorch's convolution to float rounding (float64: 1e-15).
 """
 
@@ -42,6 +43,23 @@ UNFOLD_BELOW_CHANNELS = 16
 #: input has at most this many channels: an image's first layer.
 UNFOLD_IMAGE_CHANNELS = 3
 
+#: Per sample, at most this many floats of patches (C_in·k_h·k_w·L, kept for the backward pass: k_h·k_w times the
+#: input): 4 MB, 128 MB at B = 32. The CNN's first layer has 14 k, a CIFAR ResNet stem 28 k; an ImageNet stem (7×7,
+#: stride 2 on 224×224: 1.8 M) stays PyTorch's.
+UNFOLD_MAX_PATCH_FLOATS = 2 ** 20
+
+
+def _output_size(x: torch.Tensor, weight: torch.Tensor, stride: Any, padding: Any,
+                 dilation: Any) -> tuple[int, int]:
+    """(H', W') of the convolution of x [N, C_in, H, W] by ``weight`` [C_out, C_in, k_h, k_w]."""
+    return tuple((x.shape[2 + d] + 2 * _pair(padding)[d] - _pair(dilation)[d] * (weight.shape[2 + d] - 1) - 1)
+                 // _pair(stride)[d] + 1 for d in range(2))
+
+
+def _positions(x: torch.Tensor, weight: torch.Tensor, stride: Any, padding: Any, dilation: Any) -> int:
+    height, width = _output_size(x, weight, stride, padding, dilation)
+    return height * width
+
 
 def unfolded_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any = 1,
                     padding: Any = 0, dilation: Any = 1) -> torch.Tensor:
@@ -49,8 +67,7 @@ def unfolded_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     times the weight matrix: x [N, C_in, H, W] → [N, C_out, H', W']."""
     (sh, sw), (ph, pw), (dh, dw) = _pair(stride), _pair(padding), _pair(dilation)
     out_channels, _, kh, kw = weight.shape
-    height = (x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
-    width = (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    height, width = _output_size(x, weight, stride, padding, dilation)
     patches = F.unfold(x, (kh, kw), dilation=(dh, dw), padding=(ph, pw), stride=(sh, sw))  # [N, C_in·kh·kw, L]
     out = torch.matmul(weight.reshape(out_channels, -1), patches).reshape(x.shape[0], out_channels, height, width)
     return out if bias is None else out + bias.reshape(1, -1, 1, 1)
@@ -72,8 +89,10 @@ def _batched_below(t: torch.Tensor) -> bool:
     return True
 
 
-def _unfolds(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _unfolds(x: torch.Tensor, weight: torch.Tensor, stride: Any, padding: Any, dilation: Any) -> bool:
     """Whether the rule (module doc) unfolds a convolution of ``x`` by ``weight`` [C_out, C_in, k_h, k_w]."""
+    if weight[0].numel() * _positions(x, weight, stride, padding, dilation) > UNFOLD_MAX_PATCH_FLOATS:
+        return False
     if _per_sample_weight(weight):
         return min(weight.shape[0], weight.shape[1]) < UNFOLD_BELOW_CHANNELS
     return weight.shape[1] <= UNFOLD_IMAGE_CHANNELS and _batched_below(x)
@@ -87,9 +106,10 @@ class _UnfoldPerSampleConvs(TorchFunctionMode):
         if func is F.conv2d:
             given = {**dict(zip(self._NAMES, args)), **kwargs}
             x, weight, padding = given["input"], given["weight"], given.get("padding", 0)
-            if x.dim() == 4 and given.get("groups", 1) == 1 and not isinstance(padding, str) and _unfolds(x, weight):
-                return unfolded_conv2d(x, weight, given.get("bias"), given.get("stride", 1), padding,
-                                       given.get("dilation", 1))
+            stride, dilation = given.get("stride", 1), given.get("dilation", 1)
+            if (x.dim() == 4 and given.get("groups", 1) == 1 and not isinstance(padding, str)
+                    and _unfolds(x, weight, stride, padding, dilation)):
+                return unfolded_conv2d(x, weight, given.get("bias"), stride, padding, dilation)
         return func(*args, **kwargs)
 
 

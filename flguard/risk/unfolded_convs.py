@@ -2,16 +2,16 @@
 the CPU.
 
 The operator's cached Jᵀ product (``JacobianOperator._transpose_pullback``) differentiates every sample's input
-gradient with respect to its own copy of the parameters, so under ``vmap`` each 2-D convolution carries a weight
-per sample, which ``torch.func`` runs as one grouped convolution (groups = B) and its gradients as grouped ones too.
-On the CPU, oneDNN's grouped kernels are slow where a group has few channels (below its 16-channel blocks): the
-quickstart CNN's 1→6 and 6→16 layers at B = 32 ran at a few GFLOP/s. Written as what it is — the input unfolded
-into its patches, [C_in·k_h·k_w, L] per sample, times the sample's weight matrix [C_out, C_in·k_h·k_w] — the same
+gradient with respect to its own copy of the parameters, so under ``vmap`` each 2-D convolution carries a weight per
+sample, which ``torch.func`` runs as one grouped convolution (groups = B) and its gradients as grouped ones too. On
+the CPU, oneDNN's grouped kernels are slow where a group has few channels (below its 16-channel blocks): the
+quickstart CNN's 1→6 and 6→16 layers at B = 32 ran at a few GFLOP/s. Written as what it is — the input unfolded into
+its patches, [C_in·k_h·k_w, L] per sample, times the sample's weight matrix [C_out, C_in·k_h·k_w] — the same
 convolution is one batched matmul under ``vmap``, and its derivatives are matmuls and folds. The cached J pullback
-(one weight for the batch, per-sample inputs inside ``grad``) gains the same on an image's first layer, whose
-backward to 1–3 input channels oneDNN runs slowly (the CNN's: 2.2 of a J product's 7.3 ms, profiled). Measured on
-one CPU thread (docs/results.md, "Few-channel convolutions as batched matmuls"; ``benchmarks/bench_unfolded_convs.py``):
-the trained quickstart CNN's cached K product at B = 32 0.72× (Jᵀ 0.65×, J 0.83×), ResNet-8-GN's (4–16 channels) 0.91×,
+(one weight for the batch, per-sample inputs inside ``grad``) gains the same on an image's first layer, whose backward
+to 1–3 input channels oneDNN runs slowly (the CNN's: 2.2 of a J product's 7.3 ms, profiled). Measured on one CPU
+thread (docs/results.md, "Few-channel convolutions as batched matmuls"; ``benchmarks/bench_unfolded_convs.py``): the
+trained quickstart CNN's cached K product at B = 32 0.72× (Jᵀ 0.65×, J 0.83×), ResNet-8-GN's (4–16 channels) 0.91×,
 ResNet-20-GN's, whose stem alone has fewer than 16 channels, 1.01×. Layers of 16 channels or more stay PyTorch's:
 there the grouped kernel is the faster one (ResNet-20-GN with every layer unfolded: its K product 145 → 177 ms), as
 are the shared-weight layers after the first (ResNet-8-GN's J product with all of them unfolded: 26 → 35 ms).

@@ -19,8 +19,8 @@ are the shared-weight layers after the first (ResNet-8-GN's J product with all o
 Rewritten: ``F.conv2d`` with groups = 1 and numeric padding whose weight ``vmap`` batches (one per sample) with fewer
 than ``UNFOLD_BELOW_CHANNELS`` input or output channels, or whose weight is shared and whose per-sample input has at
 most ``UNFOLD_IMAGE_CHANNELS`` channels, where its patches take at most ``UNFOLD_MAX_PATCH_FLOATS`` per sample — only
-on the CPU (a GPU's grouped kernels were not measured); the result
-equals PyTorch's convolution to float rounding (float64: 1e-15).
+on the CPU (a GPU's grouped kernels were not measured); the result equals PyTorch's convolution to float rounding
+(float64: 1e-15).
 """
 
 from __future__ import annotations

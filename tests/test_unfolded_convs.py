@@ -1,6 +1,6 @@
-"""Few-channel per-sample-weight convolutions as unfold + batched matmul (``flguard.risk.unfolded_convs``): the
-rewrite against PyTorch's convolution on every setting it accepts, which convolutions it takes, and the operator's
-cached Jᵀ and K products built through it against dense float64 Jacobians."""
+"""Few-channel convolutions under ``vmap`` as unfold + batched matmul (``flguard.risk.unfolded_convs``): the rewrite
+against PyTorch's convolution on every setting it accepts, which convolutions it takes, and the operator's cached Jᵀ,
+J and K products built through it against dense float64 Jacobians."""
 
 from __future__ import annotations
 

@@ -90,6 +90,14 @@ class _Conv2d(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
+def conv2d_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """``F.conv2d``'s arguments by name, as a function mode receives them, with its defaults filled in."""
+    given = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+    given.update(zip(("input", "weight", "bias", "stride", "padding", "dilation", "groups"), args))
+    given.update(kwargs)
+    return given
+
+
 class _Reroute(TorchFunctionMode):
     def __init__(self, input_only: InputOnly) -> None:
         super().__init__()
@@ -98,12 +106,10 @@ class _Reroute(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.conv2d:
-            names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-            given = {**dict(zip(names, args)), **kwargs}
-            padding = given.get("padding", 0)
-            if given["input"].dim() == 4 and not isinstance(padding, str):
-                return _Conv2d.apply(given["input"], given["weight"], given.get("bias"), given.get("stride", 1),
-                                     padding, given.get("dilation", 1), given.get("groups", 1), self.input_only)
+            given = conv2d_arguments(args, kwargs)
+            if given["input"].dim() == 4 and not isinstance(given["padding"], str):
+                return _Conv2d.apply(given["input"], given["weight"], given["bias"], given["stride"],
+                                     given["padding"], given["dilation"], given["groups"], self.input_only)
         return func(*args, **kwargs)
 
 

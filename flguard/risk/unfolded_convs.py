@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from torch.nn.modules.utils import _pair
 from torch.overrides import TorchFunctionMode
 
+from flguard.risk.transposed_input_grads import conv2d_arguments
+
 #: Rewrite the cached pullbacks' few-channel convolutions (module doc). False: PyTorch's convolutions.
 UNFOLD_PER_SAMPLE_CONVS = True
 
@@ -54,11 +56,6 @@ def _output_size(x: torch.Tensor, weight: torch.Tensor, stride: Any, padding: An
     """(H', W') of the convolution of x [N, C_in, H, W] by ``weight`` [C_out, C_in, k_h, k_w]."""
     return tuple((x.shape[2 + d] + 2 * _pair(padding)[d] - _pair(dilation)[d] * (weight.shape[2 + d] - 1) - 1)
                  // _pair(stride)[d] + 1 for d in range(2))
-
-
-def _positions(x: torch.Tensor, weight: torch.Tensor, stride: Any, padding: Any, dilation: Any) -> int:
-    height, width = _output_size(x, weight, stride, padding, dilation)
-    return height * width
 
 
 def unfolded_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any = 1,
@@ -91,7 +88,8 @@ def _batched_below(t: torch.Tensor) -> bool:
 
 def _unfolds(x: torch.Tensor, weight: torch.Tensor, stride: Any, padding: Any, dilation: Any) -> bool:
     """Whether the rule (module doc) unfolds a convolution of ``x`` by ``weight`` [C_out, C_in, k_h, k_w]."""
-    if weight[0].numel() * _positions(x, weight, stride, padding, dilation) > UNFOLD_MAX_PATCH_FLOATS:
+    height, width = _output_size(x, weight, stride, padding, dilation)
+    if weight[0].numel() * height * width > UNFOLD_MAX_PATCH_FLOATS:
         return False
     if _per_sample_weight(weight):
         return min(weight.shape[0], weight.shape[1]) < UNFOLD_BELOW_CHANNELS
@@ -99,17 +97,15 @@ def _unfolds(x: torch.Tensor, weight: torch.Tensor, stride: Any, padding: Any, d
 
 
 class _UnfoldPerSampleConvs(TorchFunctionMode):
-    _NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.conv2d:
-            given = {**dict(zip(self._NAMES, args)), **kwargs}
-            x, weight, padding = given["input"], given["weight"], given.get("padding", 0)
-            stride, dilation = given.get("stride", 1), given.get("dilation", 1)
-            if (x.dim() == 4 and given.get("groups", 1) == 1 and not isinstance(padding, str)
+            given = conv2d_arguments(args, kwargs)
+            x, weight, stride, padding, dilation = (given[k] for k in ("input", "weight", "stride", "padding",
+                                                                       "dilation"))
+            if (x.dim() == 4 and given["groups"] == 1 and not isinstance(padding, str)
                     and _unfolds(x, weight, stride, padding, dilation)):
-                return unfolded_conv2d(x, weight, given.get("bias"), stride, padding, dilation)
+                return unfolded_conv2d(x, weight, given["bias"], stride, padding, dilation)
         return func(*args, **kwargs)
 
 

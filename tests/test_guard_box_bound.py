@@ -95,24 +95,29 @@ def test_certifies_decides_as_the_bound_does_with_its_shortcuts():
 
 
 def test_least_scales_is_each_samples_least_reaching_scale_on_a_dense_grid():
-    """``least_scales`` (the guard's early-stop aim) against a dense scan of scales: the clipped RMSE
-    reaches the target at the returned scale and not 0.5% below it; +inf where the limit cannot reach it;
-    the linear scale where the box never binds."""
+    """``least_scales`` (the guard's early-stop aim, solved exactly per segment) against a dense scan of scales: the
+    clipped RMSE reaches the target a millionth above the returned scale and not a millionth below it, which lies
+    between the scan's last scale short of it and its first one there; +inf where the limit cannot reach it or the
+    box caps the error below the target; the linear scale where the box never binds."""
     torch.manual_seed(3)
     x = torch.rand(6, 50, dtype=torch.float64)
     shift = torch.randn(6, 50, dtype=torch.float64)
     shift[4] *= 1e-4  # needs more than the limit
+    shift[2, :10] = 0.0  # still pixels: they never err
     low, high = torch.zeros(1, 50, dtype=torch.float64), torch.ones(1, 50, dtype=torch.float64)
     target, limit = 0.35, 50.0
     least = least_scales(x, shift, low, high, target, limit)
     rmse = lambda scale, i: float(_clipped(x[i:i + 1], shift[i:i + 1], scale)[0]) / math.sqrt(50)
     assert math.isinf(float(least[4]))
+    grid = torch.logspace(-3, math.log10(limit), 4000, dtype=torch.float64).tolist()
     for i in (0, 1, 2, 3, 5):
         s = float(least[i])
-        assert rmse(s, i) >= target and rmse(s / 1.005, i) < target, (i, s)
-        grid = torch.logspace(-3, math.log10(limit), 4000, dtype=torch.float64)
-        first = next(float(c) for c in grid if rmse(float(c), i) >= target)
-        assert s <= first * (1 + 4e-3)  # BISECTIONS resolve a span of 10^6 to 3.4e-3
+        assert rmse(s * (1 + 1e-6), i) >= target > rmse(s / (1 + 1e-6), i), (i, s)
+        first = next(k for k, c in enumerate(grid) if rmse(c, i) >= target)
+        assert grid[first - 1] < s <= grid[first], (i, s)
+    capped = least_scales(x, shift, low, high, 0.8, 1e9)  # no pixel can err by more than its room in the box
+    most = torch.where(shift > 0, 1 - x, torch.where(shift < 0, x, 0.0)).norm(dim=1) / math.sqrt(50)
+    assert torch.equal(torch.isinf(capped), most < 0.8) and bool((most < 0.8).any())
     wide = least_scales(x, shift, low - 1e6, high + 1e6, target, limit)
     linear = target * math.sqrt(50) / shift.norm(dim=1)
-    torch.testing.assert_close(wide[[0, 1, 2, 3, 5]], linear[[0, 1, 2, 3, 5]], rtol=0, atol=0)
+    torch.testing.assert_close(wide[[0, 1, 2, 3, 5]], linear[[0, 1, 2, 3, 5]], rtol=1e-14, atol=0)

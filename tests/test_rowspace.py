@@ -36,7 +36,8 @@ def test_jt_sum_is_the_sum_of_the_dense_transposed_blocks(products, chunk, monke
     """Σ_i J_iᵀu_i from reverse-over-reverse passes equals the dense blocks' Σ_i J_i[dx, dθ]ᵀu_i on a
     channels-last GroupNorm ResNet, and the per-sample ``jt`` rows summed; one application charged. On
     the direct path the passes run two samples at a time, or one at a time with plain autograd (as a
-    ResNet-18's on the CPU)."""
+    ResNet-18's on the CPU); on the cached path, once a product has built Jᵀ's pullback, through it — and the
+    K product, whose Jᵀ rows reach J's pullback per parameter, is the dense J_iJ_iᵀu_i."""
     from flguard.risk import sizing
 
     model, x, y = _resnet_batch()
@@ -51,6 +52,12 @@ def test_jt_sum_is_the_sum_of_the_dense_transposed_blocks(products, chunk, monke
     torch.testing.assert_close(op.jt_sum(u), expected, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(op.jt(u.unsqueeze(1)).sum((0, 1)), expected, rtol=1e-9, atol=1e-12)
     assert op.applications == 2
+    if products == "cached":
+        assert op._cached_transpose is not None
+        torch.testing.assert_close(op.jt_sum(u), expected, rtol=1e-9, atol=1e-12)
+        kernel = torch.einsum("bap,bcp,bc->ba", jac, jac, u)
+        torch.testing.assert_close(op.kmv(u.unsqueeze(1))[:, 0], kernel, rtol=1e-9, atol=1e-12)
+        assert op.applications == 5
     with pytest.raises(ValueError, match="shape"):
         op.jt_sum(u.unsqueeze(1))
 

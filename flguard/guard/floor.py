@@ -343,16 +343,21 @@ def box_scale(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: tor
         return bool(certifies(x, shift, low, high, c, slack, target).all())
 
     target = tau * (1 + rtol)
-    lo = min(start, limit)
+    # no sample certifies below the scale where its solved shift's clipped error alone reaches the target (the
+    # certified bound is at most that error): the search starts there, computed exactly (``least_scales``)
+    nominal = float(least_scales(x, shift, low, high, target, limit).max())
+    if not nominal <= limit:
+        return limit, clipped(limit), False
+    lo = min(max(start, nominal), limit)
     if meets(lo):
         return lo, clipped(lo), True
     # The certified bound is not monotone: r̃ saturates at the box while the solver's slack grows with
-    # c, so it is judged where it first succeeds — doubling from ``start`` — never only at ``limit``.
-    hi = lo
+    # c, so it is judged where it first succeeds — in steps from there that double — never only at ``limit``.
+    hi, step = lo, min(max(4 * float((slack / shift.norm(dim=1).clamp_min(1e-300)).max()), 1e-3), 1.0)
     while not meets(hi):
         if hi >= limit:
             return limit, clipped(limit), False
-        lo, hi = hi, min(2 * hi, limit)
+        lo, hi, step = hi, min(hi * (1 + step), limit), 2 * step
     for _ in range(60):
         mid = (lo * hi) ** 0.5
         lo, hi = (lo, mid) if meets(mid) else (mid, hi)

@@ -198,7 +198,11 @@ class JacobianOperator(DirectProducts):
 
     def _sample_grad(self, xi: torch.Tensor, yi: torch.Tensor, di: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Unscaled ∇_θ ℓ(f(x_i), y_i), flat [dθ] (per-sample path)."""
-        return self._flat(grad(lambda params: self._one_loss(params, xi, yi, di))(self.params))
+        return self._flat(self._sample_grad_tree(xi, yi, di))
+
+    def _sample_grad_tree(self, xi: torch.Tensor, yi: torch.Tensor, di: tuple[torch.Tensor, ...]) -> dict:
+        """``_sample_grad`` per parameter: the cached J pullback's map, so a K product hands it Jᵀ's rows as they come."""
+        return grad(lambda params: self._one_loss(params, xi, yi, di))(self.params)
 
     def _batch_grad(self, inputs: torch.Tensor) -> torch.Tensor:
         """∇_θ L(X, θ) of the whole batch, flat [dθ] (coupled path)."""
@@ -220,14 +224,7 @@ class JacobianOperator(DirectProducts):
             if self.direct:
                 return direct()
             if not self.coupled:
-                def cached() -> torch.Tensor:
-                    pullback = self._transpose_pullback()
-                    scaled = self.scale * u  # the pullback is linear: scale its dx floats, not the [B, k, dθ] result
-                    if k == 1:  # one vector per sample (every solver step): no vmap layer (measured 10–25% faster)
-                        return self._flat_rows(pullback(scaled[:, 0])[0]).unsqueeze(1)
-                    return vmap(lambda w: self._flat_rows(pullback(w)[0]), in_dims=1, out_dims=1,
-                                chunk_size=self.chunk_size)(scaled)
-                return self._cached_or_direct(cached, direct)
+                return self._cached_or_direct(lambda: self._cached_jt(u), direct)
             tangents = torch.zeros(batch, k, batch, self.dx, dtype=u.dtype, device=u.device)
             idx = torch.arange(batch, device=u.device)
             tangents[idx, :, idx] = u
@@ -242,7 +239,8 @@ class JacobianOperator(DirectProducts):
         [B, dθ] would be 1.4 GB on a ResNet-18 at B = 32). Exact on both paths: d/dt ∇_θL(X + tU) is the
         sum of the samples' blocks. On the direct path the pass runs over ``sample_chunk`` samples at a
         time (their double-backward graph, not the batch's: 3.76 GB at B = 32 on a ResNet-18 in one
-        pass), summed. One application."""
+        pass), summed; on the cached path, once a product has built Jᵀ's pullback, through it (the quickstart CNN's
+        sum 23 → 15 ms at B = 32, docs/results.md "Fewer passes over parameter space"). One application."""
         if u.ndim != 2 or u.shape[0] != self.batch_size or u.shape[1] != self.dx:
             raise ValueError(f"expected vectors of shape [B={self.batch_size}, {self.dx}], got {tuple(u.shape)}")
         self._charge(self.batch_size, 1)
@@ -281,6 +279,12 @@ class JacobianOperator(DirectProducts):
                 return total.mul_(self.scale)
         if self.direct:
             return in_chunks(self.sample_chunk)
+        if self._cached_transpose is not None:  # a K product built Jᵀ's pullback: one more pass through it, summed
+            def summed() -> torch.Tensor:
+                with batchnorm_without_running_stats(self.model):
+                    rows = self._cached_jt(u.unsqueeze(1), flat=False)
+                return torch.cat([rows[n].sum(0).reshape(-1) for n in self.names])
+            return self._cached_or_direct(summed, lambda: in_chunks(self.sample_chunk))
         return self._cached_or_direct(lambda: in_chunks(self.batch_size), lambda: in_chunks(self.sample_chunk))
 
     def _transpose_pullback(self) -> Callable:
@@ -299,8 +303,22 @@ class JacobianOperator(DirectProducts):
                                              per_sample)[1]
         return self._cached_transpose
 
+    def _cached_jt(self, u: torch.Tensor, flat: bool = True) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The cached path's J_iᵀu_i [B, k, dθ]; with one vector per sample and ``flat`` False, per parameter [B, …]."""
+        pullback = self._transpose_pullback()
+        scaled = self.scale * u  # the pullback is linear: scale its dx floats, not the [B, k, dθ] result
+        if u.shape[1] == 1:  # one vector per sample (every solver step): no vmap layer (measured 10–25% faster)
+            rows = pullback(scaled[:, 0])[0]
+            return self._flat_rows(rows).unsqueeze(1) if flat else rows
+        return vmap(lambda w: self._flat_rows(pullback(w)[0]), in_dims=1, out_dims=1, chunk_size=self.chunk_size)(scaled)
+
     def _flat_rows(self, tree: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([tree[n].reshape(self.batch_size, -1) for n in self.names], dim=1)
+
+    def _tree_rows(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """[B, dθ] → per parameter [B, …], views (``_flat_rows``' inverse)."""
+        parts = flat.split([self.params[n].numel() for n in self.names], dim=1)
+        return {n: part.reshape(flat.shape[0], *self.params[n].shape) for n, part in zip(self.names, parts)}
 
     @on_exact_float32
     def j(self, v: torch.Tensor) -> torch.Tensor:
@@ -316,9 +334,9 @@ class JacobianOperator(DirectProducts):
                 with batchnorm_without_running_stats(self.model):
                     # Row i of the pullback of X ↦ (∇_θ ℓ(x_i))_i is J_i v_i: sample i's gradient depends on x_i only.
                     if k == 1:
-                        return self.scale * pullback(v[:, 0])[0].reshape(batch, 1, -1)
-                    return self.scale * vmap(lambda w: pullback(w)[0].reshape(batch, -1), in_dims=1, out_dims=1,
-                                             chunk_size=self.chunk_size)(v)
+                        return self.scale * pullback(self._tree_rows(v[:, 0]))[0].reshape(batch, 1, -1)
+                    return self.scale * vmap(lambda w: pullback(self._tree_rows(w))[0].reshape(batch, -1), in_dims=1,
+                                             out_dims=1, chunk_size=self.chunk_size)(v)
             return self._cached_or_direct(cached, direct)
         pullback = self._pullback()
         with batchnorm_without_running_stats(self.model):
@@ -334,12 +352,12 @@ class JacobianOperator(DirectProducts):
         ``per_sample_gradients``."""
         if self._cached_pullback is None:
             with batchnorm_without_running_stats(self.model):
-                gradients = (self._batch_grad if self.coupled
-                             else lambda inputs: vmap(self._sample_grad)(inputs, self.y, self.draws))
+                gradients = (self._batch_grad if self.coupled  # per sample: per parameter [B, …] (``kmv``)
+                             else lambda inputs: vmap(self._sample_grad_tree)(inputs, self.y, self.draws))
                 with unfolded_per_sample_convs(self.device):  # an image's first layer unfolded (CPU)
                     primal, self._cached_pullback = vjp(gradients, self.x)
                 if not self.coupled:
-                    self._per_sample = primal.detach()
+                    self._per_sample = self._flat_rows(primal).detach()
         return self._cached_pullback
 
     def _cached_or_direct(self, cached: Callable[[], torch.Tensor], direct: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -362,7 +380,16 @@ class JacobianOperator(DirectProducts):
         direct path, ``direct_kmv``)."""
         if self.direct:
             return self.direct_kmv(u)
-        return self.j(self.jt(u))
+        if self.coupled or u.shape[1] != 1:
+            return self.j(self.jt(u))
+        batch, _ = self._check(u, self.dx)
+        self._charge(batch, 1)
+        self._charge(batch, 1)
+
+        def cached() -> torch.Tensor:  # Jᵀ's rows per parameter into J's pullback: no [B, dθ] concatenation
+            with batchnorm_without_running_stats(self.model):
+                return self.scale * self._pullback()(self._cached_jt(u, flat=False))[0].reshape(batch, 1, -1)
+        return self._cached_or_direct(cached, lambda: self.direct_kmv(u, charge=False))
 
     def restricted(self, index: torch.Tensor) -> JacobianOperator:
         """The blocks of the samples ``index`` alone: products of the result on [len(index), k, ·]

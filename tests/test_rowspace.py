@@ -31,18 +31,21 @@ def _resnet_jacobians() -> torch.Tensor:
     return dense_jacobians(*_resnet_batch())[0]
 
 
-@pytest.mark.parametrize("products,chunk", [("cached", None), ("direct", 2), ("direct", 1)])
+@pytest.mark.parametrize("products,chunk", [("cached", None), ("cached", 0), ("direct", 2), ("direct", 1)])
 def test_jt_sum_is_the_sum_of_the_dense_transposed_blocks(products, chunk, monkeypatch):
     """Σ_i J_iᵀu_i from reverse-over-reverse passes equals the dense blocks' Σ_i J_i[dx, dθ]ᵀu_i on a
     channels-last GroupNorm ResNet, and the per-sample ``jt`` rows summed; one application charged. On
     the direct path the passes run two samples at a time, or one at a time with plain autograd (as a
     ResNet-18's on the CPU); on the cached path, once a product has built Jᵀ's pullback, through it — and the
-    K product, whose Jᵀ rows reach J's pullback per parameter, is the dense J_iJ_iᵀu_i."""
-    from flguard.risk import sizing
+    K product, whose Jᵀ rows reach J's pullback per parameter (or, chunk 0: above ``TREE_ROWS_UP_TO``, as one
+    [B, dθ]), is the dense J_iJ_iᵀu_i, as are J's rows and the per-sample gradients behind them."""
+    from flguard.risk import operator, sizing
 
     model, x, y = _resnet_batch()
     if products == "direct":
         monkeypatch.setattr(sizing, "DIRECT_CHUNK_FLOATS", chunk * sum(p.numel() for p in model.parameters()))
+    if chunk == 0:
+        monkeypatch.setattr(operator, "TREE_ROWS_UP_TO", 0)
     op = JacobianOperator(model, x, y, products=products)
     if products == "direct":
         assert op.direct and op.sample_chunk == chunk and op.one_at_a_time == (chunk == 1)
@@ -57,7 +60,12 @@ def test_jt_sum_is_the_sum_of_the_dense_transposed_blocks(products, chunk, monke
         torch.testing.assert_close(op.jt_sum(u), expected, rtol=1e-9, atol=1e-12)
         kernel = torch.einsum("bap,bcp,bc->ba", jac, jac, u)
         torch.testing.assert_close(op.kmv(u.unsqueeze(1))[:, 0], kernel, rtol=1e-9, atol=1e-12)
-        assert op.applications == 5
+        assert op.applications == 5 and op._tree_pullback == (chunk is None)
+        v = torch.randn(4, 2, op.dtheta, dtype=torch.float64)
+        torch.testing.assert_close(op.j(v), torch.einsum("bap,bkp->bka", jac, v), rtol=1e-9, atol=1e-12)
+        by_sample = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+            nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), list(model.parameters()))]) for i in range(4)])
+        torch.testing.assert_close(op.per_sample_gradients(), by_sample, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="shape"):
         op.jt_sum(u.unsqueeze(1))
 

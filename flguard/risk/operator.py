@@ -62,6 +62,12 @@ from flguard.risk.unfolded_convs import unfolded_per_sample_convs
 #: An opt-in where a GPU's memory is short.
 CACHED_TRANSPOSED_INPUT_GRADS = False
 
+#: The cached J pullback takes its cotangent per parameter where the batch's per-sample gradients hold at most this
+#: many floats, so a K product hands it Jᵀ's rows as they come instead of concatenating them into [B, dθ] (the trained
+#: quickstart CNN's K product 0.92×, docs/results.md "Fewer passes over parameter space"); the operator then keeps one
+#: more [B, dθ] (the gradients per parameter, which the pullback holds, beside their flat copy): 16 MB at this bound.
+TREE_ROWS_UP_TO = 2 ** 22
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def default_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -137,6 +143,7 @@ class JacobianOperator(DirectProducts):
         self.applications = 0
         self._cached_pullback: Callable | None = None
         self._cached_transpose: Callable | None = None
+        self._tree_pullback = False  # whether the cached J pullback takes per-parameter cotangents (TREE_ROWS_UP_TO)
         # the dropouts' multipliers: replayed as given, or drawn by this first pass (module doc)
         self.draws = tuple(draws) if draws is not None else ()
         recording = DropoutDraws() if draws is None else None
@@ -201,7 +208,7 @@ class JacobianOperator(DirectProducts):
         return self._flat(self._sample_grad_tree(xi, yi, di))
 
     def _sample_grad_tree(self, xi: torch.Tensor, yi: torch.Tensor, di: tuple[torch.Tensor, ...]) -> dict:
-        """``_sample_grad`` per parameter: the cached J pullback's map, so a K product hands it Jᵀ's rows as they come."""
+        """``_sample_grad`` per parameter: the cached J pullback's map where it takes Jᵀ's rows as they come."""
         return grad(lambda params: self._one_loss(params, xi, yi, di))(self.params)
 
     def _batch_grad(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -310,13 +317,16 @@ class JacobianOperator(DirectProducts):
         if u.shape[1] == 1:  # one vector per sample (every solver step): no vmap layer (measured 10–25% faster)
             rows = pullback(scaled[:, 0])[0]
             return self._flat_rows(rows).unsqueeze(1) if flat else rows
-        return vmap(lambda w: self._flat_rows(pullback(w)[0]), in_dims=1, out_dims=1, chunk_size=self.chunk_size)(scaled)
+        return vmap(lambda w: self._flat_rows(pullback(w)[0]), in_dims=1, out_dims=1,
+                    chunk_size=self.chunk_size)(scaled)
 
     def _flat_rows(self, tree: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([tree[n].reshape(self.batch_size, -1) for n in self.names], dim=1)
 
-    def _tree_rows(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """[B, dθ] → per parameter [B, …], views (``_flat_rows``' inverse)."""
+    def _cotangent(self, flat: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """[B, dθ] as the cached J pullback takes it: itself, or per parameter [B, …] as views (``TREE_ROWS_UP_TO``)."""
+        if not self._tree_pullback:
+            return flat
         parts = flat.split([self.params[n].numel() for n in self.names], dim=1)
         return {n: part.reshape(flat.shape[0], *self.params[n].shape) for n, part in zip(self.names, parts)}
 
@@ -334,8 +344,8 @@ class JacobianOperator(DirectProducts):
                 with batchnorm_without_running_stats(self.model):
                     # Row i of the pullback of X ↦ (∇_θ ℓ(x_i))_i is J_i v_i: sample i's gradient depends on x_i only.
                     if k == 1:
-                        return self.scale * pullback(self._tree_rows(v[:, 0]))[0].reshape(batch, 1, -1)
-                    return self.scale * vmap(lambda w: pullback(self._tree_rows(w))[0].reshape(batch, -1), in_dims=1,
+                        return self.scale * pullback(self._cotangent(v[:, 0]))[0].reshape(batch, 1, -1)
+                    return self.scale * vmap(lambda w: pullback(self._cotangent(w))[0].reshape(batch, -1), in_dims=1,
                                              out_dims=1, chunk_size=self.chunk_size)(v)
             return self._cached_or_direct(cached, direct)
         pullback = self._pullback()
@@ -352,12 +362,14 @@ class JacobianOperator(DirectProducts):
         ``per_sample_gradients``."""
         if self._cached_pullback is None:
             with batchnorm_without_running_stats(self.model):
-                gradients = (self._batch_grad if self.coupled  # per sample: per parameter [B, …] (``kmv``)
-                             else lambda inputs: vmap(self._sample_grad_tree)(inputs, self.y, self.draws))
+                self._tree_pullback = not self.coupled and self.batch_size * self.dtheta <= TREE_ROWS_UP_TO
+                gradients = (self._batch_grad if self.coupled
+                             else lambda inputs: vmap(self._sample_grad_tree if self._tree_pullback
+                                                      else self._sample_grad)(inputs, self.y, self.draws))
                 with unfolded_per_sample_convs(self.device):  # an image's first layer unfolded (CPU)
                     primal, self._cached_pullback = vjp(gradients, self.x)
-                if not self.coupled:
-                    self._per_sample = self._flat_rows(primal).detach()
+                if not self.coupled:  # a tree's flat copy is one more [B, dθ]: TREE_ROWS_UP_TO bounds it
+                    self._per_sample = (self._flat_rows(primal) if self._tree_pullback else primal).detach()
         return self._cached_pullback
 
     def _cached_or_direct(self, cached: Callable[[], torch.Tensor], direct: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -386,9 +398,12 @@ class JacobianOperator(DirectProducts):
         self._charge(batch, 1)
         self._charge(batch, 1)
 
-        def cached() -> torch.Tensor:  # Jᵀ's rows per parameter into J's pullback: no [B, dθ] concatenation
+        def cached() -> torch.Tensor:  # Jᵀ's rows per parameter into J's pullback where it takes them (no cat)
             with batchnorm_without_running_stats(self.model):
-                return self.scale * self._pullback()(self._cached_jt(u, flat=False))[0].reshape(batch, 1, -1)
+                pullback = self._pullback()
+                rows = self._cached_jt(u, flat=not self._tree_pullback)
+                cotangent = rows if isinstance(rows, dict) else rows[:, 0]
+                return self.scale * pullback(cotangent)[0].reshape(batch, 1, -1)
         return self._cached_or_direct(cached, lambda: self.direct_kmv(u, charge=False))
 
     def restricted(self, index: torch.Tensor) -> JacobianOperator:

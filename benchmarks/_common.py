@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 import torch
 
@@ -62,6 +63,24 @@ def synchronize(device: torch.device | str) -> None:
 # -- helpers of the evidence studies (issue 7) -------------------------------------------------
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def ms_per_call(fn, reps: int) -> float:
+    """Milliseconds per call of ``fn`` over ``reps`` calls in a row (one CPU thread's benchmarks of products)."""
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps * 1e3
+
+
+def add_product_arguments(parser, rounds: int, reps: int) -> None:
+    """``--model``, ``--batch``, ``--train-steps``, ``--rounds`` and ``--reps``: the products benchmarks' options
+    (a trained model of ``bench_guard_models.py``, one batch, ``--rounds`` rounds of ``--reps`` products)."""
+    parser.add_argument("--model", default="cnn")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--train-steps", type=int, default=150)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--reps", type=int, default=reps)
 
 
 def study_paths(study: str):

@@ -17,28 +17,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from _common import add_product_arguments, ms_per_call
 from bench_guard_models import _task
 from flguard.risk.operator import JacobianOperator
 
 
-def _ms(fn, reps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps * 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="cnn")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--train-steps", type=int, default=150)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--reps", type=int, default=8)
+    add_product_arguments(parser, rounds=7, reps=8)
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, (x, y), _, _ = _task(args.model, args.train_steps, "cpu", 0)
@@ -62,7 +51,7 @@ def main() -> None:
     for _ in range(args.rounds):  # the forms alternate, so the machine's drift falls on both
         for name, pair in forms.items():
             for which, fn in enumerate(pair):
-                times.setdefault((name, which), []).append(_ms(fn, args.reps))
+                times.setdefault((name, which), []).append(ms_per_call(fn, args.reps))
     print(f"{args.model} B={args.batch} (one CPU thread; ms per product, median of {args.rounds} × {args.reps})")
     print("| product | old form | new form | new ÷ old | largest relative difference |")
     print("| --- | --- | --- | --- | --- |")

@@ -17,25 +17,15 @@ import time
 
 import torch
 
+from _common import add_product_arguments, ms_per_call
 from bench_guard_models import _task
 from flguard.risk import unfolded_convs
 from flguard.risk.operator import JacobianOperator
 
 
-def _ms(fn, reps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps * 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="cnn")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--train-steps", type=int, default=150)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=10)
+    add_product_arguments(parser, rounds=5, reps=10)
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, (x, y), _, _ = _task(args.model, args.train_steps, "cpu", 0)
@@ -56,7 +46,7 @@ def main() -> None:
     for _ in range(args.rounds):  # the two forms alternate, so the machine's drift falls on both
         for form, op in ops.items():
             for name, fn in (("jt", lambda: op.jt(u)), ("j", lambda: op.j(v)), ("kmv", lambda: op.kmv(u))):
-                times.setdefault((form, name), []).append(_ms(fn, args.reps))
+                times.setdefault((form, name), []).append(ms_per_call(fn, args.reps))
     print(f"{args.model} B={args.batch} (one CPU thread; ms per product, median of {args.rounds} × {args.reps})")
     print("| product | grouped | unfolded | unfolded ÷ grouped |\n| --- | --- | --- | --- |")
     for name in ("jt", "j", "kmv"):

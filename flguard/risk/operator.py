@@ -64,7 +64,7 @@ CACHED_TRANSPOSED_INPUT_GRADS = False
 
 #: The cached J pullback takes its cotangent per parameter where the batch's per-sample gradients hold at most this
 #: many floats, so a K product hands it Jᵀ's rows as they come instead of concatenating them into [B, dθ] (the trained
-#: quickstart CNN's K product 0.92×, docs/results.md "Fewer passes over parameter space"); the operator then keeps one
+#: quickstart CNN's K product 0.90×, docs/results.md "Fewer passes over parameter space"); the operator then keeps one
 #: more [B, dθ] (the gradients per parameter, which the pullback holds, beside their flat copy): 16 MB at this bound.
 TREE_ROWS_UP_TO = 2 ** 22
 
@@ -246,8 +246,8 @@ class JacobianOperator(DirectProducts):
         [B, dθ] would be 1.4 GB on a ResNet-18 at B = 32). Exact on both paths: d/dt ∇_θL(X + tU) is the
         sum of the samples' blocks. On the direct path the pass runs over ``sample_chunk`` samples at a
         time (their double-backward graph, not the batch's: 3.76 GB at B = 32 on a ResNet-18 in one
-        pass), summed; on the cached path, once a product has built Jᵀ's pullback, through it (the quickstart CNN's
-        sum 23 → 15 ms at B = 32, docs/results.md "Fewer passes over parameter space"). One application."""
+        pass), summed; on the cached path, once a product has built Jᵀ's pullback, through it (0.80× on the quickstart
+        CNN at B = 32, 0.70× on ResNet-8-GN: docs/results.md "Fewer passes over parameter space"). One application."""
         if u.ndim != 2 or u.shape[0] != self.batch_size or u.shape[1] != self.dx:
             raise ValueError(f"expected vectors of shape [B={self.batch_size}, {self.dx}], got {tuple(u.shape)}")
         self._charge(self.batch_size, 1)
@@ -392,9 +392,9 @@ class JacobianOperator(DirectProducts):
         direct path, ``direct_kmv``)."""
         if self.direct:
             return self.direct_kmv(u)
-        if self.coupled or u.shape[1] != 1:
+        batch, k = self._check(u, self.dx)
+        if self.coupled or k != 1:
             return self.j(self.jt(u))
-        batch, _ = self._check(u, self.dx)
         self._charge(batch, 1)
         self._charge(batch, 1)
 

@@ -62,7 +62,9 @@ def refuse_gradient(sent: torch.Tensor, reference: torch.Tensor, autocast: Autoc
                       "loss with terms the guard cannot see, gradients accumulated over several batches (a missing "
                       "optimizer.zero_grad()), a gradient changed after backward (clip_grad_value_), or randomness "
                       "in the forward pass that flguard.check_model cannot list (a functional dropout); the guard "
-                      "must measure the exact loss that is sent")
+                      "must measure the exact loss that is sent. (A channels-last model on a CPU: PyTorch's oneDNN "
+                      "gradient of a strided 1×1 convolution is wrong on some CPUs and differs from call to call — "
+                      "train in contiguous memory, or set torch.backends.mkldnn.enabled = False.)")
 
 
 __all__ = ["GRADIENT_MATCH_RTOL", "RESCALED_RTOL", "same_gradient", "refuse_gradient"]

@@ -80,7 +80,10 @@ raise SystemExit(0 if ok else 3)
 def _onednn_channels_last_is_sound() -> bool:
     import subprocess
 
-    return subprocess.run([sys.executable, "-c", _CHANNELS_LAST_PROBE], capture_output=True, timeout=120).returncode == 0
+    try:
+        return subprocess.run([sys.executable, "-c", _CHANNELS_LAST_PROBE], capture_output=True, timeout=120).returncode == 0
+    except subprocess.TimeoutExpired:  # a probe that hangs is not a sound kernel either
+        return False
 
 
 if torch.backends.mkldnn.is_available() and not _onednn_channels_last_is_sound():

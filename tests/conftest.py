@@ -81,7 +81,8 @@ def _onednn_channels_last_is_sound() -> bool:
     import subprocess
 
     try:
-        return subprocess.run([sys.executable, "-c", _CHANNELS_LAST_PROBE], capture_output=True, timeout=120).returncode == 0
+        probe = subprocess.run([sys.executable, "-c", _CHANNELS_LAST_PROBE], capture_output=True, timeout=120)
+        return probe.returncode == 0
     except subprocess.TimeoutExpired:  # a probe that hangs is not a sound kernel either
         return False
 

@@ -7,6 +7,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -55,9 +56,10 @@ seed = 0
 
 # PyTorch 2.14's oneDNN weight gradient of a strided 1×1 convolution in channels-last memory is wrong on some CPUs
 # (an AMD EPYC core with AVX2: the ResNet shortcut's gradient off by 18× its norm with two threads, a heap corruption
-# and a crash with one; docs/results.md, "Channels-last on the CPU"). The tests' user loops train channels-last
-# ResNets the way practitioners do, so where a probe in a subprocess shows the fault, PyTorch's own (non-oneDNN)
-# convolutions run this test process: the guard's products never take channels-last kernels either way.
+# and a crash with one; docs/results.md, "Channels-last on the CPU"). The tests whose user loops train channels-last
+# ResNets in float32, as practitioners do, take ``sound_channels_last_convolutions``: where a probe in a subprocess
+# shows the fault, PyTorch's own (non-oneDNN) convolutions run them. The guard's products never take channels-last
+# kernels either way.
 _CHANNELS_LAST_PROBE = """
 import torch
 torch.manual_seed(0)
@@ -77,6 +79,7 @@ raise SystemExit(0 if ok else 3)
 """
 
 
+@functools.cache
 def _onednn_channels_last_is_sound() -> bool:
     import subprocess
 
@@ -87,10 +90,14 @@ def _onednn_channels_last_is_sound() -> bool:
         return False
 
 
-if torch.backends.mkldnn.is_available() and not _onednn_channels_last_is_sound():
-    torch.backends.mkldnn.enabled = False
-    print("conftest: oneDNN's channels-last strided 1×1 convolution gradient is wrong on this CPU; "
-          "PyTorch's own convolutions run the tests", file=sys.stderr)
+@pytest.fixture(scope="module")
+def sound_channels_last_convolutions():
+    """oneDNN off for the module where its channels-last strided 1×1 convolution gradient is wrong on this CPU."""
+    enabled = torch.backends.mkldnn.enabled
+    if torch.backends.mkldnn.is_available() and not _onednn_channels_last_is_sound():
+        torch.backends.mkldnn.enabled = False
+    yield
+    torch.backends.mkldnn.enabled = enabled
 
 
 @pytest.fixture(autouse=True)

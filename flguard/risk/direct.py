@@ -16,6 +16,7 @@ import torch
 from torch.func import grad, jvp, vmap
 
 from flguard.risk.dropout_draws import sample_rows
+from flguard.risk.ghost_products import GhostKmv, Unsupported, ghost_support
 from flguard.risk.precision import on_exact_float32
 from flguard.risk.sample_autograd import flatten_into
 
@@ -24,6 +25,10 @@ from flguard.risk.sample_autograd import flatten_into
 #: through ``vmap`` over chunks of one. False: ``vmap``, as before (``benchmarks/bench_sample_autograd.py`` compares
 #: the two in one process).
 ONE_AT_A_TIME = True
+#: Where the direct path goes one sample at a time, run the K product for the whole batch in one batched pass with
+#: each convolution's per-sample weight gradient never formed (``flguard.risk.ghost_products``), where the model's
+#: layers allow it; False: the loop, as before.
+GHOST_KMV = True
 
 
 class DirectProducts:
@@ -118,10 +123,37 @@ class DirectProducts:
         if charge:
             self._charge(batch, k)
             self._charge(batch, k)
+        ghost = self._ghost_kmv()
+        if ghost is not None:
+            return (self.scale * self.scale) * ghost(u)
 
         def one(xi: torch.Tensor, yi: torch.Tensor, di: tuple, ui: torch.Tensor) -> torch.Tensor:
             return self._j_one(xi, yi, di, self._jt_one(xi, yi, di, ui))
         return (self.scale * self.scale) * self._per_sample_products(one, u)
+
+    @property
+    def ghost_products(self) -> bool:
+        """Whether the K product runs batched with ghost per-sample weight gradients (``GHOST_KMV``): one sample at a
+        time otherwise, on a model whose layers ``ghost_support`` takes, without dropout masks to replay."""
+        if not (GHOST_KMV and self.one_at_a_time and not self.draws):
+            return False
+        if "_ghost_support" not in self.__dict__:  # the model's layers, looked at once
+            self._ghost_support = ghost_support(self.model)
+        return self._ghost_support is None
+
+    def _ghost_kmv(self) -> GhostKmv | None:
+        """The operator's ``GhostKmv``, built at the first K product (None: the loop — where ``ghost_products`` is
+        False, or the forward pass handed a parameter to a function it does not rewrite: ``ghost_refused`` says
+        which)."""
+        if not self.ghost_products or getattr(self, "ghost_refused", None) is not None:
+            return None
+        if getattr(self, "_ghost", None) is None:
+            try:
+                self._ghost = GhostKmv(self.model, self.params, self.buffers, self.loss_fn, self.x, self.y)
+            except Unsupported as reason:
+                self.ghost_refused = str(reason)
+                return None
+        return self._ghost
 
     def _chunked_sample_grads(self) -> torch.Tensor:
         """[B, dθ] filled a chunk of samples at a time: ``vmap(chunk_size=…)`` concatenates its chunks'

@@ -420,6 +420,7 @@ class JacobianOperator(DirectProducts):
         sub._cached_pullback = sub._cached_transpose = None
         sub.__dict__.pop("_per_sample", None)
         sub.__dict__.pop("_compiled_kmv", None)  # a compiled product is bound to its own operator
+        sub.__dict__.pop("_ghost", None)  # the batched K product's graphs are the batch's own
         return sub
 
     # -- gradients -------------------------------------------------------------------------

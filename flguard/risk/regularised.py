@@ -74,11 +74,13 @@ class ShrinkingProducts:
 
     def _rebuild(self, rows: torch.Tensor) -> bool:
         """Whether to take the products on a sub-operator of exactly ``rows``: where S does not hold them, where they
-        are at most half of S on a CPU's cached path, and on the direct path wherever they are fewer than S (nothing
-        to rebuild there); never otherwise on an accelerator's cached path (launch-bound products)."""
+        are at most half of S on a CPU's cached path (and where the direct path's K product keeps the batch's graphs,
+        ``ghost_products``), on the rest of the direct path wherever they are fewer than S (nothing to rebuild there);
+        never otherwise on an accelerator's cached path (launch-bound products)."""
         if not self._holds(rows):
             return True
-        if base_operator(self.op).direct:
+        base = base_operator(self.op)
+        if base.direct and not base.ghost_products:
             return rows.numel() < self.rows.numel()
         if self.op.device.type != "cpu":
             return False

@@ -1,0 +1,184 @@
+"""The batched K product with ghost per-sample weight gradients (``flguard.risk.ghost_products``) against dense float64
+Jacobians: a channels-last 3-channel GroupNorm ResNet-shaped model with every convolution setting the rewrite handles,
+both ways of taking a convolution's inner product (Gram matrices, formed weight), graphs kept or rebuilt in chunks;
+and the models it refuses, whose products stay the one-at-a-time loop's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from flguard.risk import direct, ghost_products
+from flguard.risk.clipped import ClippedJacobian
+from flguard.risk.ghost_products import GhostKmv, Unsupported, ghost_support
+from flguard.risk.operator import JacobianOperator
+from risk_reference import dense_jacobians
+
+
+class Block(nn.Module):
+    """A ResNet block that halves the map: strided 3×3 convolution with a bias, GroupNorm, a dilated convolution with
+    uneven padding, and a strided 1×1 shortcut."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=2, padding=1)
+        self.norm1 = nn.GroupNorm(2, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=(2, 1), dilation=(2, 1), bias=False)
+        self.norm2 = nn.GroupNorm(3, cout)
+        self.shortcut = nn.Conv2d(cin, cout, 1, stride=2, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.norm2(self.conv2(F.relu(self.norm1(self.conv1(x)))))
+        return F.relu(out + self.shortcut(x))
+
+
+def _model() -> nn.Module:
+    """Reflect-padded stem → GroupNorm → ReLU → Block → pooling → Linear on [B, 4, 6] → Linear, float64."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")
+            self.norm = nn.GroupNorm(2, 4)
+            self.block = Block(4, 6)
+            self.mix = nn.Linear(6, 5)  # on [B, positions, channels]: a Linear with an inner batch dimension
+            self.head = nn.Linear(20, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            z = F.adaptive_avg_pool2d(self.block(F.relu(self.norm(self.stem(x)))), 2)
+            return self.head(torch.tanh(self.mix(z.flatten(2).transpose(1, 2))).flatten(1))
+    return Net().double()
+
+
+def _batch(batch: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    x = torch.randn(batch, 3, 8, 9, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    return x, torch.arange(batch) % 3
+
+
+def _dense_k(model: nn.Module, x: torch.Tensor, y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    jac, _ = dense_jacobians(model, x, y)  # [B, dx, dθ] of the batch loss
+    return torch.einsum("bap,bkp->bka", jac, torch.einsum("bap,bka->bkp", jac, u))
+
+
+@pytest.mark.parametrize("gram", [True, False], ids=["Gram matrices", "formed weight"])
+@pytest.mark.parametrize("kept", [True, False], ids=["graphs kept", "rebuilt in chunks of 2"])
+def test_ghost_k_product_matches_the_dense_jacobian(gram, kept, monkeypatch):
+    monkeypatch.setattr(ghost_products, "_ghost_cheaper", lambda layer: gram)
+    if not kept:
+        monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)
+    model = _model()
+    assert ghost_support(model) is None
+    x, y = _batch()
+    op = JacobianOperator(model, x, y, products="direct")
+    op.sample_chunk = 1
+    ghost = GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
+    if not kept:  # two samples' graphs to a chunk
+        ghost.chunk = 2
+    assert ghost.retained == kept and (ghost.graphs is not None) == kept
+    u = torch.randn(3, 2, op.dx, dtype=torch.float64)
+    want = _dense_k(model, x, y, u)
+    for _ in range(2):  # the second product on the same (kept or rebuilt) graphs
+        torch.testing.assert_close(op.scale ** 2 * ghost(u), want, rtol=1e-9, atol=1e-12)
+
+
+def test_the_direct_path_takes_the_ghost_product_one_sample_at_a_time_and_clipped():
+    model = _model()
+    x, y = _batch()
+    op = JacobianOperator(model, x, y, products="direct")
+    op.sample_chunk = 1
+    assert op.one_at_a_time and op.ghost_products
+    u = torch.randn(3, 1, op.dx, dtype=torch.float64)
+    jac, _ = dense_jacobians(model, x, y)
+    torch.testing.assert_close(op.kmv(u), _dense_k(model, x, y, u), rtol=1e-9, atol=1e-12)
+    assert op._ghost is not None and getattr(op, "ghost_refused", None) is None
+    # clipped at the median norm: K̄_iu = s_i²J_i(I − ĝ_iĝ_iᵀ)J_iᵀu against the dense blocks and gradients
+    clip = float(op.per_sample_gradients().norm(dim=1).median())
+    clipped = ClippedJacobian(op, clip)
+    g = op.per_sample_gradients() * op.scale
+    norms = op.per_sample_gradients().norm(dim=1)
+    factor = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
+    unit = g / g.norm(dim=1, keepdim=True)
+    rows = torch.einsum("bap,ba->bp", jac, u[:, 0])
+    projected = torch.where((norms > clip).unsqueeze(1), rows - (rows * unit).sum(1, keepdim=True) * unit, rows)
+    want = factor.square().unsqueeze(1) * torch.einsum("bap,bp->ba", jac, projected)
+    torch.testing.assert_close(clipped.kmv(u)[:, 0], want, rtol=1e-9, atol=1e-12)
+    # a restricted copy builds graphs of its own rows
+    sub = op.restricted(torch.tensor([2, 0]))
+    torch.testing.assert_close(sub.kmv(u[[2, 0]]), _dense_k(model, x, y, u)[[2, 0]], rtol=1e-9, atol=1e-12)
+    assert sub._ghost is not op._ghost
+
+
+class _TwiceUsed(nn.Module):
+    """One convolution applied twice: its weight's gradient is the sum of two uses, whose cross terms the per-layer
+    inner products would miss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.conv(torch.tanh(self.conv(x)))).mean((2, 3)))
+
+
+class _ScaledNorm(nn.Module):
+    """A parent without parameters of its own that hands its GroupNorm's weight to another function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.norm(self.conv(x)) * self.norm.weight.sum()
+        return self.head(z.mean((2, 3)))
+
+
+@pytest.mark.parametrize("case", ["BatchNorm in eval mode", "a convolution used twice", "a weight used elsewhere",
+                                  "grouped convolution"])
+def test_models_the_ghost_product_refuses_keep_the_loop(case):
+    torch.manual_seed(0)
+    if case == "BatchNorm in eval mode":
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(3))
+        model(torch.randn(2, 3, 8, 9))
+        model.eval()
+        static = "1: a BatchNorm2d with trainable parameters"
+    elif case == "grouped convolution":
+        model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.Conv2d(6, 6, 3, groups=2), nn.Flatten(), nn.LazyLinear(3))
+        model(torch.randn(2, 3, 8, 9))
+        static = "1: a grouped or 'same'-padded convolution"
+    else:
+        model, static = (_TwiceUsed() if case == "a convolution used twice" else _ScaledNorm()), None
+    model = model.double()
+    assert ghost_support(model) == static
+    x, y = _batch(2)
+    op = JacobianOperator(model, x, y, products="direct")
+    op.sample_chunk = 1
+    u = torch.randn(2, 1, op.dx, dtype=torch.float64)
+    torch.testing.assert_close(op.kmv(u), _dense_k(model, x, y, u), rtol=1e-9, atol=1e-12)
+    assert getattr(op, "_ghost", None) is None
+    if static is None:  # refused by the forward pass's check, and said why
+        assert op.ghost_products
+        expected = "conv.weight is used by two convolutions" if case.startswith("a conv") else "takes the parameter norm"
+        assert expected in op.ghost_refused
+        with pytest.raises(Unsupported, match=expected.split(" is")[0]):
+            GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
+    else:
+        assert not op.ghost_products
+
+
+def test_the_switch_turns_the_loop_back_on(monkeypatch):
+    monkeypatch.setattr(direct, "GHOST_KMV", False)
+    model = _model()
+    x, y = _batch(2)
+    op = JacobianOperator(model, x, y, products="direct")
+    op.sample_chunk = 1
+    assert not op.ghost_products
+    u = torch.randn(2, 1, op.dx, dtype=torch.float64)
+    torch.testing.assert_close(op.kmv(u), _dense_k(model, x, y, u), rtol=1e-9, atol=1e-12)
+    assert getattr(op, "_ghost", None) is None

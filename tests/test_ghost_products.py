@@ -182,3 +182,24 @@ def test_the_switch_turns_the_loop_back_on(monkeypatch):
     u = torch.randn(2, 1, op.dx, dtype=torch.float64)
     torch.testing.assert_close(op.kmv(u), _dense_k(model, x, y, u), rtol=1e-9, atol=1e-12)
     assert getattr(op, "_ghost", None) is None
+
+
+def test_dropping_the_product_frees_its_graphs_without_the_cyclic_collector():
+    """The kept graphs hold each convolution's δ, whose graph holds the convolution's backward node: that node refers
+    to its layer weakly, so no reference cycle runs through autograd's C++ graph (one did: 10 MB a step of ResNet-8-GN
+    at B = 16 stayed allocated, gc.collect or not, until the weak reference)."""
+    import gc
+    import weakref
+
+    model = _model()
+    x, y = _batch()
+    op = JacobianOperator(model, x, y, products="direct")
+    ghost = GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
+    ghost(torch.randn(3, 1, op.dx, dtype=torch.float64))
+    kept = weakref.ref(ghost.graphs[0].layers[0].first[0])
+    gc.disable()
+    try:
+        del ghost
+        assert kept() is None
+    finally:
+        gc.enable()

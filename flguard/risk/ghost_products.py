@@ -35,6 +35,7 @@ the graph), raises ``Unsupported``, and the operator keeps the one-at-a-time pro
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -120,12 +121,12 @@ class _Conv2d(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         ctx.save_for_backward(inputs[0])
-        ctx.layer = inputs[2]
+        ctx.layer = weakref.ref(inputs[2])  # the layer holds δ, whose graph holds this node: no cycle through C++
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple:
         (x,) = ctx.saved_tensors
-        layer = ctx.layer
+        layer = ctx.layer()
         if torch.is_grad_enabled():  # pass 1 (create_graph)
             layer.first = (gy, x)
             gx = _ConvTranspose2d.apply(gy, layer.token, layer, x.shape) if ctx.needs_input_grad[0] else None
@@ -147,12 +148,12 @@ class _ConvTranspose2d(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         ctx.save_for_backward(inputs[0])
-        ctx.layer = inputs[2]
+        ctx.layer = weakref.ref(inputs[2])
 
     @staticmethod
     def backward(ctx: Any, gbar: torch.Tensor) -> tuple:
         (g,) = ctx.saved_tensors
-        layer = ctx.layer
+        layer = ctx.layer()
         if layer.collecting[0]:
             layer.pairs.append((g.detach(), gbar))
         dg = layer.convolve(gbar) if ctx.needs_input_grad[0] else None

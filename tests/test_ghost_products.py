@@ -83,6 +83,12 @@ def test_ghost_k_product_matches_the_dense_jacobian(gram, kept, monkeypatch):
     want = _dense_k(model, x, y, u)
     for _ in range(2):  # the second product on the same (kept or rebuilt) graphs
         torch.testing.assert_close(op.scale ** 2 * ghost(u), want, rtol=1e-9, atol=1e-12)
+    jac, _ = dense_jacobians(model, x, y)
+    unscaled = jac / op.scale
+    torch.testing.assert_close(ghost.gradient_images(),
+                               torch.einsum("bap,bp->ba", unscaled, op.per_sample_gradients()), rtol=1e-9, atol=1e-12)
+    v = torch.randn(op.dtheta, dtype=torch.float64)
+    torch.testing.assert_close(ghost.shared_j(v), torch.einsum("bap,p->ba", unscaled, v), rtol=1e-9, atol=1e-12)
 
 
 def test_the_direct_path_takes_the_ghost_product_one_sample_at_a_time_and_clipped():
@@ -106,6 +112,18 @@ def test_the_direct_path_takes_the_ghost_product_one_sample_at_a_time_and_clippe
     projected = torch.where((norms > clip).unsqueeze(1), rows - (rows * unit).sum(1, keepdim=True) * unit, rows)
     want = factor.square().unsqueeze(1) * torch.einsum("bap,bp->ba", jac, projected)
     torch.testing.assert_close(clipped.kmv(u)[:, 0], want, rtol=1e-9, atol=1e-12)
+    # one v for every sample (the noise): J_iv and the clipped J̄_iv = s_iJ_iP_iv in one batched pass
+    noise = torch.randn(op.dtheta, dtype=torch.float64)
+    shared = noise.expand(3, -1).unsqueeze(1)
+    before = op.applications
+    torch.testing.assert_close(op.j(shared)[:, 0], torch.einsum("bap,p->ba", jac, noise), rtol=1e-9, atol=1e-12)
+    assert op.applications - before == 1
+    projected_noise = torch.where((norms > clip).unsqueeze(1), noise - (unit @ noise).unsqueeze(1) * unit, noise)
+    torch.testing.assert_close(clipped.j(shared)[:, 0],
+                               factor.unsqueeze(1) * torch.einsum("bap,bp->ba", jac, projected_noise),
+                               rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(op.gradient_images(), torch.einsum("bap,bp->ba", jac, op.per_sample_gradients()),
+                               rtol=1e-9, atol=1e-12)
     # a restricted copy builds graphs of its own rows
     sub = op.restricted(torch.tensor([2, 0]))
     torch.testing.assert_close(sub.kmv(u[[2, 0]]), _dense_k(model, x, y, u)[[2, 0]], rtol=1e-9, atol=1e-12)

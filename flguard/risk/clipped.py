@@ -89,6 +89,12 @@ class ClippedJacobian:
         return before, (rows, self.inverse_norm.square(), self.factor)
 
     def j(self, v: torch.Tensor) -> torch.Tensor:
+        if self.op.direct and v.shape[1] == 1 and v.stride(0) == 0 and self.op.ghost_products:
+            shared = self.op.shared_j(v[0, 0])  # one v for every sample (the noise): J_iv in one batched pass
+            if shared is not None:  # s_iJ_iP_iv = s_i(J_iv − ‖g_i‖⁻²⟨g_i, v⟩J_ig_i)
+                per = self.per if self.rows is None else self.per[self.rows]
+                along = self.inverse_norm.square() * (per @ v[0, 0])
+                return (self.factor.unsqueeze(1) * (shared - along.unsqueeze(1) * self._gradient_images())).unsqueeze(1)
         if self.op.direct:  # projected per sample inside the product: no [B, k, dθ] copy of v
             return self.op.direct_j(v, *self._projection())
         return self.op.j(self._project(v))
@@ -102,7 +108,7 @@ class ClippedJacobian:
         the first K product or summed Jᵀ product of this operator or of any restricted copy (the solvers' shrinking
         products) — and shared by all of them."""
         if self._images["values"] is None:
-            self._images["values"] = self._images["op"].j(self.per.unsqueeze(1))[:, 0]
+            self._images["values"] = self._images["op"].gradient_images()
         return self._images["values"] if self.rows is None else self._images["values"][self.rows]
 
     def jt_sum(self, u: torch.Tensor) -> torch.Tensor:

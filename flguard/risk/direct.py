@@ -155,6 +155,27 @@ class DirectProducts:
                 return None
         return self._ghost
 
+    @on_exact_float32
+    def gradient_images(self) -> torch.Tensor:
+        """J_ig_i [B, dx]: each sample's block on its own unscaled gradient (the clipping's rank-one correction,
+        ``flguard.risk.clipped``), by the batched K product's graphs where it has them, else by a J product. One
+        application."""
+        ghost = self._ghost_kmv()
+        if ghost is None:
+            return self.j(self.per_sample_gradients().unsqueeze(1))[:, 0]
+        self._charge(self.batch_size, 1)
+        return self.scale * ghost.gradient_images()
+
+    @on_exact_float32
+    def shared_j(self, v: torch.Tensor) -> torch.Tensor | None:
+        """J_iv [B, dx] for one v [dθ] shared by every sample (the noise) in one batched pass, where the batched K
+        product's graphs serve (``ghost_products``); None elsewhere. One application."""
+        ghost = self._ghost_kmv()
+        if ghost is None:
+            return None
+        self._charge(self.batch_size, 1)
+        return self.scale * ghost.shared_j(v)
+
     def _chunked_sample_grads(self) -> torch.Tensor:
         """[B, dθ] filled a chunk of samples at a time: ``vmap(chunk_size=…)`` concatenates its chunks'
         outputs, so its peak is twice the result (measured on ResNet-18-GN at B = 32: 3.6 GB for a 1.4 GB

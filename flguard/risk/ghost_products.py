@@ -85,6 +85,7 @@ class _Convolution:
     """One convolution call of the forward pass: its weight and settings, the scalar leaf that makes pass 2 run its
     backward, pass 1's (δ, x) with their graphs, and pass 2's pairs."""
     weight: torch.Tensor
+    name: str
     settings: tuple
     token: torch.Tensor
     first: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -236,7 +237,7 @@ class _PerSampleParameters(TorchFunctionMode):
         if any(layer.weight is weight for layer in self.layers):
             raise Unsupported(f"{self.weights[id(weight)]} is used by two convolutions")
         self._batched(input, "a convolution")
-        layer = _Convolution(weight, (_pair(stride), _pair(padding), _pair(dilation)),
+        layer = _Convolution(weight, self.weights[id(weight)], (_pair(stride), _pair(padding), _pair(dilation)),
                              torch.zeros((), dtype=input.dtype, device=input.device, requires_grad=True),
                              collecting=self.collecting)
         self.layers.append(layer)
@@ -272,6 +273,7 @@ class _Graph:
     their gradients, and the convolutions."""
     x: torch.Tensor
     input_grad: torch.Tensor
+    names: list[str]
     leaves: list[torch.Tensor]
     grads: list[torch.Tensor | None]
     layers: list[_Convolution]
@@ -325,18 +327,51 @@ class GhostKmv:
         with mode:
             logits = functional_forward(self.model, (values, self.buffers), x, ())
         loss = sum(self.loss_fn(logits[i:i + 1], self.y[start + i:start + i + 1]) for i in range(rows))
-        leaves = [values[n] for n in self.params if id(values[n]) in per_sample]
+        names = [n for n in self.params if id(values[n]) in per_sample]
+        leaves = [values[n] for n in names]
         input_grad, *grads = torch.autograd.grad(loss, [x] + leaves, create_graph=True, allow_unused=True)
-        return _Graph(x, input_grad, leaves, grads, mode.layers, mode.collecting)
+        return _Graph(x, input_grad, names, leaves, grads, mode.layers, mode.collecting)
 
     def __call__(self, u: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(u)
-        for start in range(0, u.shape[0], self.chunk):
-            graph = self.graphs[start // self.chunk] if self.retained else self._build(start)
+        for start, graph in self._graphs():
             stop, vectors = start + graph.x.shape[0], u.shape[1]
             for k in range(vectors):  # a rebuilt graph is freed by its last vector's pass 3
                 out[start:stop, k] = self._product(graph, u[start:stop, k], self.retained or k + 1 < vectors)
         return out
+
+    def gradient_images(self) -> torch.Tensor:
+        """J̃_ig̃_i [B, dx], each sample's unscaled Jacobian on its own unscaled gradient (the clipping's rank-one
+        correction, ``flguard.risk.clipped``): pass 3 alone, with pass 1's own (δ, x) as every convolution's pair."""
+        out = self.x.new_empty(self.x.shape[0], self.x[0].numel())
+        for start, graph in self._graphs():
+            total = _leaf_dot(graph.grads, [None if g is None else g.detach() for g in graph.grads])
+            for layer in graph.layers:
+                if layer.first is not None:
+                    layer.pairs = [(layer.first[0].detach(), layer.first[1].detach())]
+                    total = total + _pair_dot(layer, _ghost_cheaper(layer))
+                    layer.pairs = []
+            out[start:start + graph.x.shape[0]] = self._input_gradient(graph, total, self.retained)
+        return out
+
+    def shared_j(self, v: torch.Tensor) -> torch.Tensor:
+        """J̃_iv [B, dx] for one v [dθ] (flat, in ``params`` order) shared by every sample, such as the noise: pass 3
+        alone, each convolution's term ⟨δ, conv(x, V)⟩ a batched convolution with the shared weight V."""
+        parts = dict(zip(self.params, v.split([p.numel() for p in self.params.values()])))
+        out = self.x.new_empty(self.x.shape[0], self.x[0].numel())
+        for start, graph in self._graphs():
+            total = _leaf_dot(graph.grads, [parts[n].reshape(self.params[n].shape) for n in graph.names])
+            for layer in graph.layers:
+                if layer.first is not None:
+                    delta, x = layer.first
+                    total = total + (layer.convolve(x, parts[layer.name].reshape(layer.weight.shape)) * delta).sum()
+            out[start:start + graph.x.shape[0]] = self._input_gradient(graph, total, self.retained)
+        return out
+
+    def _graphs(self):
+        """(first row, graph) for each chunk: the kept graphs, or each built afresh."""
+        for start in range(0, self.x.shape[0], self.chunk):
+            yield start, (self.graphs[start // self.chunk] if self.retained else self._build(start))
 
     def _product(self, graph: _Graph, u: torch.Tensor, keep: bool) -> torch.Tensor:
         """Passes 2 and 3 on one graph: K_iu_i [rows, dx] for u [rows, dx]; ``keep``: the graph for another product."""
@@ -349,16 +384,28 @@ class GhostKmv:
             grads = torch.autograd.grad(dot, graph.leaves + tokens, retain_graph=True, allow_unused=True)
         finally:
             graph.collecting[0] = False
-        total = graph.x.new_zeros(())
-        for g, w in zip(graph.grads, grads[:len(graph.leaves)]):
-            if g is not None and w is not None:
-                total = total + (g * w).sum()
+        total = _leaf_dot(graph.grads, grads[:len(graph.leaves)])
         for layer in graph.layers:
             if layer.pairs and layer.first is not None:
                 total = total + _pair_dot(layer, _ghost_cheaper(layer))
-                layer.pairs = []
+            layer.pairs = []
+        return self._input_gradient(graph, total, keep).reshape(u.shape)
+
+    @staticmethod
+    def _input_gradient(graph: _Graph, total: torch.Tensor, keep: bool) -> torch.Tensor:
+        """Pass 3: ∇_x of ``total`` [rows, dx] (zeros where it does not depend on x)."""
         if not total.requires_grad:
-            return torch.zeros_like(u)
-        (result,) = torch.autograd.grad(total, graph.x, retain_graph=keep, allow_unused=True,
-                                        materialize_grads=True)
-        return result.reshape(u.shape)
+            return graph.x.new_zeros(graph.x.shape[0], graph.x[0].numel())
+        (result,) = torch.autograd.grad(total, graph.x, retain_graph=keep, allow_unused=True, materialize_grads=True)
+        return result.reshape(graph.x.shape[0], -1)
+
+
+def _leaf_dot(grads: list[torch.Tensor | None], vectors: list[torch.Tensor | None]) -> torch.Tensor:
+    """Σ ⟨g, w⟩ over the per-sample leaves' pass-1 gradients g (with their graphs) and w (per sample, or shared and
+    broadcast over the rows), skipping a leaf without either."""
+    total = None
+    for g, w in zip(grads, vectors):
+        if g is not None and w is not None:
+            term = (g * w).sum()
+            total = term if total is None else total + term
+    return total if total is not None else torch.zeros(())

@@ -334,6 +334,10 @@ class JacobianOperator(DirectProducts):
     def j(self, v: torch.Tensor) -> torch.Tensor:
         """J_i v_i for every sample: v [B, k, dθ] → [B, k, dx]."""
         batch, k = self._check(v, self.dtheta)
+        if self.direct and k == 1 and v.stride(0) == 0 and self.ghost_products:  # one v for every sample: batched
+            shared = self.shared_j(v[0, 0])
+            if shared is not None:
+                return shared.unsqueeze(1)
         self._charge(batch, k)
         direct = lambda: self._per_sample_products(self._j_one, v).mul_(self.scale)  # noqa: E731
         if self.direct:

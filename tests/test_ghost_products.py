@@ -182,7 +182,8 @@ def test_models_the_ghost_product_refuses_keep_the_loop(case):
     assert getattr(op, "_ghost", None) is None
     if static is None:  # refused by the forward pass's check, and said why
         assert op.ghost_products
-        expected = "conv.weight is used by two convolutions" if case.startswith("a conv") else "takes the parameter norm"
+        expected = ("conv.weight is used by two convolutions" if case.startswith("a conv")
+                    else "takes the parameter norm")
         assert expected in op.ghost_refused
         with pytest.raises(Unsupported, match=expected.split(" is")[0]):
             GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)

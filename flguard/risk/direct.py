@@ -4,8 +4,10 @@
 (``flguard.risk.sizing``): J_iᵀu reverse-over-reverse, J_iv reverse-of-forward (with what a wrapper applies to v
 first: the clipping's projection), the K product fused per sample, ``vmap``-ed over chunks of
 ``sample_chunk`` samples — or, where a chunk is one sample (a ResNet-18 on the CPU), one sample at a time with plain
-autograd (``flguard.risk.sample_autograd``). The path is per-sample only: an operator on it has no train-mode
-BatchNorm (that couples the batch), so nothing here switches running statistics off.
+autograd (``flguard.risk.sample_autograd``), except the K product (what the solvers run), the clipping's gradient
+images and J of the shared noise, which take one batched pass with ghost per-sample weight gradients over graphs kept
+for the step (``flguard.risk.ghost_products``) where the model's layers allow it. The path is per-sample only: an
+operator on it has no train-mode BatchNorm (that couples the batch), so nothing here switches running statistics off.
 """
 
 from __future__ import annotations

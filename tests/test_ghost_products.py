@@ -222,3 +222,16 @@ def test_dropping_the_product_frees_its_graphs_without_the_cyclic_collector():
         assert kept() is None
     finally:
         gc.enable()
+
+
+def test_a_batch_sliced_from_a_dataset_is_measured_by_its_own_extent():
+    """The chunks are sized by the bytes pass 1 keeps for one sample: a batch that is a slice of a whole dataset
+    counts its own rows, not the dataset's storage (which had cut a ResNet-18's chunks in half)."""
+    model = _model()
+    x, y = _batch()
+    dataset = torch.cat([x, torch.randn(500, *x.shape[1:], dtype=x.dtype)])
+    op = JacobianOperator(model, dataset[:3], y, products="direct")
+    assert op.x.untyped_storage().nbytes() == dataset.untyped_storage().nbytes()  # the operator keeps the view
+    sliced = GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
+    copied = GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x.clone(), op.y)
+    assert sliced._measure() == copied._measure() < dataset.untyped_storage().nbytes() / 10

@@ -300,11 +300,12 @@ class GhostKmv:
         self.graphs = [self._build(start) for start in range(0, batch, self.chunk)] if self.retained else None
 
     def _measure(self) -> int:
-        """Bytes that pass 1 keeps for one sample (its saved tensors' storages, counted once each)."""
-        storages: dict[int, int] = {}
+        """Bytes that pass 1 keeps for one sample: its saved tensors, each view counted once by its own extent (not
+        its storage's: a batch sliced from a whole dataset shares the dataset's storage)."""
+        storages: dict[tuple, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            storages[(t.data_ptr(), tuple(t.shape), tuple(t.stride()))] = t.numel() * t.element_size()
             return t
         with saved_tensors_hooks(pack, lambda t: t):
             self._build(0, 1)

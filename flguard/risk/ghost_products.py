@@ -48,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from flguard.risk.functional import functional_forward
+from flguard.risk.transposed_input_grads import input_gradient
 
 #: The graphs are kept for the step while the whole batch's take at most RETAINED_BYTES (pass 1's saved tensors,
 #: measured on one sample first: a ResNet-18-GN at 32×32 keeps 17 MB a sample, so B = 8 is kept as one graph), else
@@ -101,11 +102,7 @@ class _Convolution:
     def transposed(self, g: torch.Tensor, shape: torch.Size, weight: torch.Tensor | None = None) -> torch.Tensor:
         """The convolution's input gradient for output gradient ``g`` (input of ``shape``), a transposed convolution
         with the rows and columns a strided convolution never reached as its output padding."""
-        stride, padding, dilation = self.settings
-        w = self.weight if weight is None else weight
-        extra = tuple(shape[2 + d] - ((g.shape[2 + d] - 1) * stride[d] - 2 * padding[d]
-                                      + dilation[d] * (w.shape[2 + d] - 1) + 1) for d in range(2))
-        return F.conv_transpose2d(g, w, None, stride, padding, extra, 1, dilation)
+        return input_gradient(g, self.weight if weight is None else weight, shape, *self.settings)
 
     def patches(self, x: torch.Tensor) -> torch.Tensor:
         """[B, I·k², P]: the input's patches in the weight's order."""

@@ -77,9 +77,7 @@ class _Conv2d(torch.autograd.Function):
         if need_x and torch.is_grad_enabled():  # the input gradient's graph is kept (create_graph): record it
             # as a transposed convolution, with the rows and columns a strided convolution never reached as its
             # output padding
-            extra = tuple(x.shape[2 + d] - ((grad_y.shape[2 + d] - 1) * stride[d] - 2 * padding[d]
-                                            + dilation[d] * (weight.shape[2 + d] - 1) + 1) for d in range(2))
-            grad_x = F.conv_transpose2d(grad_y, weight, None, stride, padding, extra, groups, dilation)
+            grad_x = input_gradient(grad_y, weight, x.shape, stride, padding, dilation, groups)
             need_x = False
         if need_x or need_w or need_b:  # PyTorch's own gradients in one call (not ``torch.nn.grad.conv2d_weight``,
             # which passes an expanded stand-in for the weight that the kernel then copies in full)
@@ -88,6 +86,15 @@ class _Conv2d(torch.autograd.Function):
                 list(dilation), False, [0, 0], groups, [need_x, need_w, need_b])
             grad_x = gx if need_x else grad_x
         return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def input_gradient(grad_y: torch.Tensor, weight: torch.Tensor, shape: Any, stride: tuple, padding: tuple,
+                   dilation: tuple, groups: int = 1) -> torch.Tensor:
+    """A 2-D convolution's input gradient (input of ``shape``) as ``conv_transpose2d(∂ℓ/∂y, W)``, with the rows and
+    columns a strided convolution never reached as its output padding."""
+    extra = tuple(shape[2 + d] - ((grad_y.shape[2 + d] - 1) * stride[d] - 2 * padding[d]
+                                  + dilation[d] * (weight.shape[2 + d] - 1) + 1) for d in range(2))
+    return F.conv_transpose2d(grad_y, weight, None, stride, padding, extra, groups, dilation)
 
 
 def conv2d_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:

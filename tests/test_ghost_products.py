@@ -89,6 +89,15 @@ def test_ghost_k_product_matches_the_dense_jacobian(gram, kept, monkeypatch):
                                torch.einsum("bap,bp->ba", unscaled, op.per_sample_gradients()), rtol=1e-9, atol=1e-12)
     v = torch.randn(op.dtheta, dtype=torch.float64)
     torch.testing.assert_close(ghost.shared_j(v), torch.einsum("bap,p->ba", unscaled, v), rtol=1e-9, atol=1e-12)
+    # the per-sample gradients from pass 1, against plain autograd on each sample alone
+    each = [torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), list(model.parameters()))
+            for i in range(len(x))]
+    torch.testing.assert_close(ghost.sample_gradients(), torch.stack([torch.cat([t.reshape(-1) for t in g])
+                                                                      for g in each]), rtol=1e-9, atol=1e-12)
+    # Σ_iJ̃_iᵀu_i: pass 2 alone, summed (twice: a kept graph serves again, a rebuilt one is built again)
+    for _ in range(2):
+        torch.testing.assert_close(ghost.transposed_sum(u[:, 0]), torch.einsum("bap,ba->p", unscaled, u[:, 0]),
+                                   rtol=1e-9, atol=1e-12)
 
 
 def test_the_direct_path_takes_the_ghost_product_one_sample_at_a_time_and_clipped():
@@ -123,6 +132,12 @@ def test_the_direct_path_takes_the_ghost_product_one_sample_at_a_time_and_clippe
                                factor.unsqueeze(1) * torch.einsum("bap,bp->ba", jac, projected_noise),
                                rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(op.gradient_images(), torch.einsum("bap,bp->ba", jac, op.per_sample_gradients()),
+                               rtol=1e-9, atol=1e-12)
+    # the summed Jᵀ product (resolvent noise's) through the graphs, plain and clipped: Σ_i s_iP_iJ_iᵀu_i
+    before = op.applications
+    torch.testing.assert_close(op.jt_sum(u[:, 0]), torch.einsum("bap,ba->p", jac, u[:, 0]), rtol=1e-9, atol=1e-12)
+    assert op.applications - before == 1
+    torch.testing.assert_close(clipped.jt_sum(u[:, 0]), (factor.unsqueeze(1) * projected).sum(0),
                                rtol=1e-9, atol=1e-12)
     # a restricted copy builds graphs of its own rows
     sub = op.restricted(torch.tensor([2, 0]))

@@ -151,10 +151,13 @@ class DirectProducts:
             return None
         if getattr(self, "_ghost", None) is None:
             try:
-                self._ghost = GhostKmv(self.model, self.params, self.buffers, self.loss_fn, self.x, self.y)
+                # a restricted copy inherits the measure (and the check) of its operator's first GhostKmv
+                self._ghost = GhostKmv(self.model, self.params, self.buffers, self.loss_fn, self.x, self.y,
+                                       getattr(self, "_ghost_sample_bytes", None))
             except Unsupported as reason:
                 self.ghost_refused = str(reason)
                 return None
+            self._ghost_sample_bytes = self._ghost.sample_bytes
         return self._ghost
 
     @on_exact_float32
@@ -182,7 +185,10 @@ class DirectProducts:
         """[B, dθ] filled a chunk of samples at a time: ``vmap(chunk_size=…)`` concatenates its chunks'
         outputs, so its peak is twice the result (measured on ResNet-18-GN at B = 32: 3.6 GB for a 1.4 GB
         result, the peak of the whole clipped guard step's products); this one holds the result and
-        one chunk."""
+        one chunk. Where the batched K product's graphs serve (``ghost_products``), from their pass 1."""
+        ghost = self._ghost_kmv()  # the batched K product's graphs, built here for the step's products to come
+        if ghost is not None:
+            return ghost.sample_gradients()
         out = torch.empty(self.batch_size, self.dtheta, dtype=self.dtype, device=self.device)
         if self.one_at_a_time:
             for i, (xi, yi) in enumerate(zip(self.x, self.y)):

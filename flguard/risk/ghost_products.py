@@ -104,6 +104,12 @@ class _Convolution:
         with the rows and columns a strided convolution never reached as its output padding."""
         return input_gradient(g, self.weight if weight is None else weight, shape, *self.settings)
 
+    def weight_gradient(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """wgrad(a, b) summed over the batch: the gradient in the weight of ⟨a, conv(b, W)⟩ (contiguous operands:
+        oneDNN's channels-last strided 1×1 weight gradient is wrong on some CPUs, tests/conftest.py)."""
+        stride, padding, dilation = self.settings
+        return torch.nn.grad.conv2d_weight(b.contiguous(), self.weight.shape, a.contiguous(), stride, padding, dilation)
+
     def patches(self, x: torch.Tensor) -> torch.Tensor:
         """[B, I·k², P]: the input's patches in the weight's order."""
         stride, padding, dilation = self.settings
@@ -132,7 +138,7 @@ class _Conv2d(torch.autograd.Function):
             gx = _ConvTranspose2d.apply(gy, layer.token, layer, x.shape) if ctx.needs_input_grad[0] else None
             return gx, torch.zeros_like(layer.token), None
         if layer.collecting[0]:
-            layer.pairs.append((gy, x.detach()))
+            layer.pairs.append((gy, None))  # b = pass 1's x: its patches are the ones _pair_dot unfolds anyway
         gx = layer.transposed(gy, x.shape) if ctx.needs_input_grad[0] else None
         return gx, torch.zeros_like(layer.token), None
 
@@ -169,20 +175,24 @@ def _ghost_cheaper(layer: _Convolution) -> bool:
 
 def _pair_dot(layer: _Convolution, ghost: bool) -> torch.Tensor:
     """Σ_j ⟨wgrad(δ_j, x_j), w_j⟩ with w_j = Σ_pairs wgrad(a_j, b_j) (module doc), δ and x carrying pass 1's graph:
-    through Gram matrices (``ghost``) or the formed weight."""
+    through Gram matrices (``ghost``) or the formed weight. A pair's b of None is pass 1's x (the forward
+    convolution's pair): its patches are x's, unfolded once."""
     delta, x = layer.first
     batch = delta.shape[0]
     deltas = delta.reshape(batch, delta.shape[1], -1)  # [B, O, P]
     patches = layer.patches(x)  # [B, I·k², P]
+    fixed = patches.detach()
     if ghost:
         total = delta.new_zeros(())
         for a, b in layer.pairs:
             outputs = torch.bmm(deltas.transpose(1, 2), a.reshape(batch, a.shape[1], -1))
-            total = total + (outputs * torch.bmm(patches.transpose(1, 2), layer.patches(b))).sum()
+            inputs = torch.bmm(patches.transpose(1, 2), fixed if b is None else layer.patches(b))
+            total = total + (outputs * inputs).sum()
         return total
     weight = None
     for a, b in layer.pairs:
-        part = torch.bmm(a.reshape(batch, a.shape[1], -1), layer.patches(b).transpose(1, 2))  # [B, O, I·k²]
+        part = torch.bmm(a.reshape(batch, a.shape[1], -1),
+                         (fixed if b is None else layer.patches(b)).transpose(1, 2))  # [B, O, I·k²]
         weight = part if weight is None else weight + part
     return (torch.bmm(weight, patches) * deltas).sum()
 
@@ -282,20 +292,22 @@ class _Graph:
 class GhostKmv:
     """Unscaled K_iu_i = J̃_i(J̃_iᵀu_i) for every sample (module doc), u [B, k, dx] → [B, k, dx]; ``loss_fn`` one
     sample's loss (z [1, …], y [1, …]). Raises ``Unsupported`` on creation where the forward pass uses a parameter
-    otherwise than the rewritten layers do."""
+    otherwise than the rewritten layers do (checked on one sample unless ``sample_bytes`` is given)."""
 
     def __init__(self, model: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
-                 loss_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> None:
+                 loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, sample_bytes: int | None = None) -> None:
         reason = ghost_support(model)
         if reason is not None:
             raise Unsupported(reason)
         self.model, self.params, self.buffers, self.loss_fn = model, params, buffers, loss_fn
         self.x, self.y = x, y
         self.convolution_weights = {n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
-        per_sample = max(self._measure(), 1)
+        #: pass 1's bytes per sample: ``sample_bytes`` where a GhostKmv of the same model and input shape measured
+        #: them (and checked its forward pass: a restricted copy's), else measured on one sample here
+        self.sample_bytes = sample_bytes if sample_bytes is not None else max(self._measure(), 1)
         batch = int(x.shape[0])
-        self.retained = batch * per_sample <= RETAINED_BYTES
-        most = batch if self.retained else max(1, CHUNK_BYTES // per_sample)
+        self.retained = batch * self.sample_bytes <= RETAINED_BYTES
+        most = batch if self.retained else max(1, CHUNK_BYTES // self.sample_bytes)
         self.chunk = -(-batch // -(-batch // most))  # the fewest chunks of at most ``most`` samples, evened out
         self.graphs = [self._build(start) for start in range(0, batch, self.chunk)] if self.retained else None
 
@@ -349,7 +361,7 @@ class GhostKmv:
             total = _leaf_dot(graph.grads, [None if g is None else g.detach() for g in graph.grads])
             for layer in graph.layers:
                 if layer.first is not None:
-                    layer.pairs = [(layer.first[0].detach(), layer.first[1].detach())]
+                    layer.pairs = [(layer.first[0].detach(), None)]
                     total = total + _pair_dot(layer, _ghost_cheaper(layer))
                     layer.pairs = []
             out[start:start + graph.x.shape[0]] = self._input_gradient(graph, total, self.retained)
@@ -369,6 +381,43 @@ class GhostKmv:
             out[start:start + graph.x.shape[0]] = self._input_gradient(graph, total, self.retained)
         return out
 
+    def sample_gradients(self) -> torch.Tensor:
+        """The unscaled per-sample gradients ∇_θℓ_i [B, dθ] (flat, in ``params`` order) from pass 1: the per-sample
+        leaves' gradients as they are, each convolution's weight gradient per sample as one batched matrix product of
+        its (δ, patches(x)) — the clipping's norms and directions, with no one-sample backward pass."""
+        out = self.x.new_zeros(self.x.shape[0], sum(p.numel() for p in self.params.values()))
+        columns, at = {}, 0
+        for name, p in self.params.items():
+            columns[name], at = slice(at, at + p.numel()), at + p.numel()
+        for start, graph in self._graphs():
+            rows = out[start:start + graph.x.shape[0]]
+            for name, g in zip(graph.names, graph.grads):
+                if g is not None:  # (a parameter the loss does not reach keeps its zeros)
+                    rows[:, columns[name]] = g.detach().reshape(rows.shape[0], -1)
+            for layer in graph.layers:
+                if layer.first is not None:
+                    delta, x = (t.detach() for t in layer.first)
+                    weight = torch.bmm(delta.reshape(*delta.shape[:2], -1), layer.patches(x).transpose(1, 2))
+                    rows[:, columns[layer.name]] = weight.reshape(rows.shape[0], -1)
+        return out
+
+    def transposed_sum(self, u: torch.Tensor) -> torch.Tensor:
+        """Σ_iJ̃_iᵀu_i [dθ] (flat, in ``params`` order) for u [B, dx]: pass 2 alone, each per-sample leaf's gradient
+        summed over the rows and each convolution's weight gradient Σ_pairs wgrad(a, b) a batched weight gradient of
+        the shared weight — resolvent noise's summed Jᵀ product, with no per-sample vector in parameter space."""
+        total = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        for start, graph in self._graphs():
+            rows = graph.x.shape[0]
+            grads = self._transposed(graph, u[start:start + rows], self.retained)
+            for name, g in zip(graph.names, grads):
+                if g is not None:
+                    total[name] += g.sum(0)
+            for layer in graph.layers:
+                for a, b in layer.pairs:
+                    total[layer.name] += layer.weight_gradient(a, layer.first[1].detach() if b is None else b)
+                layer.pairs = []
+        return torch.cat([t.reshape(-1) for t in total.values()])
+
     def _graphs(self):
         """(first row, graph) for each chunk: the kept graphs, or each built afresh."""
         for start in range(0, self.x.shape[0], self.chunk):
@@ -376,21 +425,28 @@ class GhostKmv:
 
     def _product(self, graph: _Graph, u: torch.Tensor, keep: bool) -> torch.Tensor:
         """Passes 2 and 3 on one graph: K_iu_i [rows, dx] for u [rows, dx]; ``keep``: the graph for another product."""
+        grads = self._transposed(graph, u, True)
+        total = _leaf_dot(graph.grads, grads)
+        for layer in graph.layers:
+            if layer.pairs and layer.first is not None:
+                total = total + _pair_dot(layer, _ghost_cheaper(layer))
+            layer.pairs = []
+        return self._input_gradient(graph, total, keep).reshape(u.shape)
+
+    @staticmethod
+    def _transposed(graph: _Graph, u: torch.Tensor, keep: bool) -> tuple:
+        """Pass 2 on one graph for u [rows, dx]: the per-sample leaves' gradients of ⟨∇_xℓ, u⟩ (None where a leaf
+        has none), each convolution's pairs left in its ``pairs``; ``keep``: the graph for another pass."""
         for layer in graph.layers:
             layer.pairs = []
         graph.collecting[0] = True
         try:
             tokens = [layer.token for layer in graph.layers]
             dot = (graph.input_grad * u.reshape(graph.input_grad.shape)).sum()
-            grads = torch.autograd.grad(dot, graph.leaves + tokens, retain_graph=True, allow_unused=True)
+            grads = torch.autograd.grad(dot, graph.leaves + tokens, retain_graph=keep, allow_unused=True)
         finally:
             graph.collecting[0] = False
-        total = _leaf_dot(graph.grads, grads[:len(graph.leaves)])
-        for layer in graph.layers:
-            if layer.pairs and layer.first is not None:
-                total = total + _pair_dot(layer, _ghost_cheaper(layer))
-            layer.pairs = []
-        return self._input_gradient(graph, total, keep).reshape(u.shape)
+        return grads[:len(graph.leaves)]
 
     @staticmethod
     def _input_gradient(graph: _Graph, total: torch.Tensor, keep: bool) -> torch.Tensor:

@@ -246,8 +246,10 @@ class JacobianOperator(DirectProducts):
         [B, dθ] would be 1.4 GB on a ResNet-18 at B = 32). Exact on both paths: d/dt ∇_θL(X + tU) is the
         sum of the samples' blocks. On the direct path the pass runs over ``sample_chunk`` samples at a
         time (their double-backward graph, not the batch's: 3.76 GB at B = 32 on a ResNet-18 in one
-        pass), summed; on the cached path, once a product has built Jᵀ's pullback, through it (0.80× on the quickstart
-        CNN at B = 32, 0.70× on ResNet-8-GN: docs/results.md "Fewer passes over parameter space"). One application."""
+        pass), summed — one sample at a time, where the batched K product's graphs serve (``ghost_products``), by
+        their pass 2 alone, summed; on the cached path, once a product has built Jᵀ's pullback, through it (0.80× on
+        the quickstart CNN at B = 32, 0.70× on ResNet-8-GN: docs/results.md "Fewer passes over parameter space"). One
+        application."""
         if u.ndim != 2 or u.shape[0] != self.batch_size or u.shape[1] != self.dx:
             raise ValueError(f"expected vectors of shape [B={self.batch_size}, {self.dx}], got {tuple(u.shape)}")
         self._charge(self.batch_size, 1)
@@ -277,6 +279,9 @@ class JacobianOperator(DirectProducts):
         if self.coupled:
             return in_chunks(self.batch_size)
         if self.one_at_a_time:
+            ghost = self._ghost_kmv()  # the batched K product's graphs: pass 2 alone, summed (``ghost_products``)
+            if ghost is not None:
+                return self.scale * ghost.transposed_sum(u)
             with batchnorm_without_running_stats(self.model):
                 total = torch.zeros(self.dtheta, dtype=self.dtype, device=self.device)
                 for i, (xi, yi, ui) in enumerate(zip(self.x, self.y, direction)):

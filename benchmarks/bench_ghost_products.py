@@ -6,15 +6,17 @@ ResNet-18 gets on a CPU), products timed in alternation with a training step of 
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_ghost_products.py --model resnet18_gn --batch 8
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_ghost_products.py --model resnet18_gn --batch 32
 
-Printed: each form × a training step (median of ``--rounds`` rounds of ``--reps`` products), ghost ÷ loop, the first
-product (which builds the batch's graphs) and the bytes they keep, and the forms' relative difference. The clipped K
-product (median clipping, what the solvers run) is timed; the plain one compared.
+Printed, each form × a training step (median of ``--rounds`` rounds of ``--reps`` calls) and ghost ÷ loop: the
+per-sample gradients (where the ghost form builds the batch's graphs, which its products then keep), the clipped K
+product (median clipping, what the solvers run) and the clipped summed Jᵀ product (resolvent noise's); whether the
+graphs are kept, and the forms' largest relative difference.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from typing import Any, Callable
 
 import torch
 
@@ -33,46 +35,64 @@ def main() -> None:
     model, (x, y), _, _ = _task(args.model, args.train_steps, "cpu", 0)
     x, y = x[:args.batch], y[:args.batch]
 
-    def operator() -> ClippedJacobian:
+    def switched(ghost: bool, fn: Callable[[], Any]) -> Any:
+        """``fn()`` with the batched products on (``ghost``) or off: the loop."""
+        direct.GHOST_KMV = ghost
+        try:
+            return fn()
+        finally:
+            direct.GHOST_KMV = True
+
+    def gradients(ghost: bool) -> JacobianOperator:
         op = JacobianOperator(model, x, y, torch.nn.CrossEntropyLoss(), products="direct")
         op.sample_chunk = 1
+        switched(ghost, op.per_sample_gradients)
+        return op
+
+    def operator(ghost: bool) -> ClippedJacobian:
+        op = gradients(ghost)
         return ClippedJacobian(op, float(op.per_sample_gradients().norm(dim=1).median()))
-    ghost, loop = operator(), operator()
-    u = torch.randn(args.batch, 1, ghost.op.dx, generator=torch.Generator().manual_seed(1))
-    first = ms_per_call(lambda: ghost.op.kmv(u), 1)  # builds the graphs
+    ghost, loop = operator(True), operator(False)
     assert ghost.op._ghost is not None, getattr(ghost.op, "ghost_refused", "not supported")
-    kept = ghost.op._ghost
-    plain = ghost.op.kmv(u)
-    direct.GHOST_KMV = False
-    reference = loop.op.kmv(u)
-    direct.GHOST_KMV = True
-    difference = float((plain - reference).norm() / reference.norm())
+    generator = torch.Generator().manual_seed(1)
+    u = torch.randn(args.batch, 1, ghost.op.dx, generator=generator)
+    summed = torch.randn(args.batch, ghost.op.dx, generator=generator)
+    pairs = {"per-sample gradients": (lambda: loop.op.per_sample_gradients(), lambda: ghost.op.per_sample_gradients()),
+             "plain K": (lambda: switched(False, lambda: loop.op.kmv(u)), lambda: ghost.op.kmv(u)),
+             "clipped summed Jᵀ": (lambda: switched(False, lambda: loop.jt_sum(summed)),
+                                   lambda: ghost.jt_sum(summed))}
+    difference = {name: _relative(new(), old()) for name, (old, new) in pairs.items()}
 
     def train() -> None:
         model.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
-
-    def looped() -> torch.Tensor:
-        direct.GHOST_KMV = False
-        try:
-            return loop.kmv(u)
-        finally:
-            direct.GHOST_KMV = True
-    forms = {"training step": train, "clipped K, loop": looped, "clipped K, ghost": lambda: ghost.kmv(u)}
+    forms = {"training step": train,
+             "per-sample gradients, loop": lambda: gradients(False),
+             "per-sample gradients, ghost": lambda: gradients(True),  # with the graphs' build
+             "clipped K, loop": lambda: switched(False, lambda: loop.kmv(u)),
+             "clipped K, ghost": lambda: ghost.kmv(u),
+             "clipped summed Jᵀ, loop": pairs["clipped summed Jᵀ"][0],
+             "clipped summed Jᵀ, ghost": pairs["clipped summed Jᵀ"][1]}
     times: dict[str, list[float]] = {}
     for _ in range(args.rounds):  # the forms alternate, so the machine's drift falls on all
         for name, fn in forms.items():
             times.setdefault(name, []).append(ms_per_call(fn, args.reps))
     step = statistics.median(times["training step"])
-    new, old = statistics.median(times["clipped K, ghost"]), statistics.median(times["clipped K, loop"])
+    kept = ghost.op._ghost
     print(f"{args.model} B={args.batch} (one CPU thread; median of {args.rounds} × {args.reps}; × a training step of "
-          f"{step:.0f} ms)")
-    print("| clipped K, loop | clipped K, ghost | ghost ÷ loop | first ghost product (builds) | graphs kept | "
-          "relative difference (plain K) |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    kept_text = f"{kept.retained} (chunks of {kept.chunk})"
-    print(f"| {old / step:.2f}× | {new / step:.2f}× | {new / old:.2f} | {first / step:.2f}× | {kept_text} | "
-          f"{difference:.1e} |")
+          f"{step:.0f} ms; graphs kept: {kept.retained}, chunks of {kept.chunk})")
+    print("| | loop | ghost | ghost ÷ loop | relative difference |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, compared in (("per-sample gradients (the ghost's builds its graphs)", "per-sample gradients"),
+                           ("clipped K", "plain K"), ("clipped summed Jᵀ", "clipped summed Jᵀ")):
+        key = name.split(" (")[0]
+        old, new = (statistics.median(times[f"{key}, {form}"]) for form in ("loop", "ghost"))
+        print(f"| {name} | {old / step:.2f}× | {new / step:.2f}× | {new / old:.2f} | {difference[compared]:.1e} "
+              f"({compared}) |")
+
+
+def _relative(new: torch.Tensor, old: torch.Tensor) -> float:
+    return float((new - old).norm() / old.norm())
 
 
 if __name__ == "__main__":

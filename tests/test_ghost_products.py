@@ -145,6 +145,66 @@ def test_the_direct_path_takes_the_ghost_product_one_sample_at_a_time_and_clippe
     assert sub._ghost is not op._ghost
 
 
+def _small_cnn() -> nn.Module:
+    """The quickstart CNN's shape on 3 channels: a first convolution on the input itself (pass 2 skips its input
+    gradient), pooling, fully connected layers on [B, features] (one position each), float64."""
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 5, 2), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(5 * 2 * 2, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def test_products_ghost_takes_the_batched_products_where_the_cached_path_would_run():
+    """``products="ghost"`` (the guard's operator on a CPU): a batch the cached pullbacks would hold runs one sample at a
+    time with the batched ghost products on graphs built at once — its K product, summed Jᵀ, clipping images and the
+    noise's J against the dense blocks; a model whose forward pass refuses them, or graphs too large to keep, stay
+    cached."""
+    model = _small_cnn()
+    x, y = _batch(4)
+    op = JacobianOperator(model, x, y, products="ghost")
+    assert op.direct and op.one_at_a_time and op._ghost is not None and op._ghost.retained
+    assert not JacobianOperator(model, x, y).direct  # "auto" keeps the cached pullbacks
+    jac, _ = dense_jacobians(model, x, y)
+    u = torch.randn(4, 2, op.dx, dtype=torch.float64)
+    torch.testing.assert_close(op.kmv(u), _dense_k(model, x, y, u), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(op.jt_sum(u[:, 0]), torch.einsum("bap,ba->p", jac, u[:, 0]), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(op.gradient_images(), torch.einsum("bap,bp->ba", jac, op.per_sample_gradients()),
+                               rtol=1e-9, atol=1e-12)
+    noise = torch.randn(op.dtheta, dtype=torch.float64)
+    torch.testing.assert_close(op.j(noise.expand(4, -1).unsqueeze(1))[:, 0], torch.einsum("bap,p->ba", jac, noise),
+                               rtol=1e-9, atol=1e-12)
+    # per-sample vectors: one sample at a time, the same blocks
+    w = torch.randn(4, 1, op.dtheta, dtype=torch.float64)
+    torch.testing.assert_close(op.j(w)[:, 0], torch.einsum("bap,bp->ba", jac, w[:, 0]), rtol=1e-9, atol=1e-12)
+    refused = JacobianOperator(_TwiceUsed().double(), x, y, products="ghost")
+    assert not refused.direct and "used by two layers" in refused.ghost_refused
+    assert getattr(refused, "_ghost", None) is None
+
+
+def test_products_ghost_keeps_the_cached_path_where_the_graphs_would_be_rebuilt(monkeypatch):
+    monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)
+    x, y = _batch(4)
+    op = JacobianOperator(_small_cnn(), x, y, products="ghost")
+    assert not op.direct and getattr(op, "_ghost", None) is None
+
+
+@pytest.mark.parametrize("channels", [3, 16], ids=["col2im backward", "slices backward"])
+def test_patches_equal_unfold_and_its_gradient(channels):
+    """``_Patches`` (a strided view copied, its backward strided slice additions or ``F.fold``) against ``F.unfold``
+    on a channels-last input with uneven stride, padding and dilation."""
+    from flguard.risk.ghost_convolutions import _Patches
+
+    torch.manual_seed(3)
+    x = torch.randn(2, channels, 9, 8, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    x.requires_grad_(True)
+    settings = ((3, 2), (2, 1), (1, 2), (2, 1))  # kernel, stride, padding, dilation
+    want = F.unfold(x, settings[0], dilation=settings[3], padding=settings[2], stride=settings[1])
+    got = _Patches.apply(x, *settings)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    cotangent = torch.randn_like(want)
+    torch.testing.assert_close(torch.autograd.grad(got, x, cotangent)[0], torch.autograd.grad(want, x, cotangent)[0],
+                               rtol=1e-12, atol=1e-12)
+
+
 class _TwiceUsed(nn.Module):
     """One convolution applied twice: its weight's gradient is the sum of two uses, whose cross terms the per-layer
     inner products would miss."""
@@ -197,7 +257,7 @@ def test_models_the_ghost_product_refuses_keep_the_loop(case):
     assert getattr(op, "_ghost", None) is None
     if static is None:  # refused by the forward pass's check, and said why
         assert op.ghost_products
-        expected = ("conv.weight is used by two convolutions" if case.startswith("a conv")
+        expected = ("conv.weight is used by two layers" if case.startswith("a conv")
                     else "takes the parameter norm")
         assert expected in op.ghost_refused
         with pytest.raises(Unsupported, match=expected.split(" is")[0]):

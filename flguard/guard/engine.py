@@ -35,6 +35,7 @@ from flguard.guard.report import GuardOutput, GuardReport
 from flguard.risk.clipped import ClippedJacobian, Jacobian
 from flguard.risk.operator import JacobianOperator, LossFn, ProductLimit
 from flguard.risk.precision import autocast_as, exact_float32, gradient_rtol
+from flguard.risk import sizing
 from flguard.risk.sizing import release_freed_memory
 
 __all__ = ["Guard", "GuardFailure", "clip_level"]
@@ -101,7 +102,7 @@ class Guard:
         try:
             flat = _checked_gradient(gradient, model)
             op = JacobianOperator(model, x, y, loss_fn, limit=ProductLimit(batch, cfg.max_products, cfg.max_seconds),
-                                  draws=draws)
+                                  draws=draws, products=sizing.guard_products(x.device))
             if op.drew_masks:
                 raise GuardFailure(UNKNOWN_MASKS)
             # only auto (the defense, or the clip level) reads it

@@ -143,6 +143,22 @@ class DirectProducts:
             self._ghost_support = ghost_support(self.model)
         return self._ghost_support is None
 
+    def take_ghost_products(self) -> None:
+        """``products="ghost"`` on a batch the cached pullbacks would hold: the direct path one sample at a time, so
+        that the K products, the summed Jᵀ, the clipping's images and the noise's J run batched on the ghost graphs —
+        built here, kept for the step; the cached path where the model's forward pass refuses them, or where the
+        batch's graphs would be rebuilt at each product (more than ``RETAINED_BYTES``). Per-sample J and Jᵀ products
+        on distinct vectors (LAVP's, an attack's) then run one sample at a time: the guard's step takes none."""
+        cached = (self.direct, self.sample_chunk)
+        self.direct, self.sample_chunk = True, 1
+        try:
+            ghost = self._ghost_kmv()
+        except Exception:  # noqa: BLE001 — a forward pass the build cannot run (checkpointing's hooks): the cached
+            ghost = None   # path's products then meet it as they did, and fail with its own reason
+        if ghost is None or not ghost.retained:
+            self.direct, self.sample_chunk = cached
+            self.__dict__.pop("_ghost", None)
+
     def _ghost_kmv(self) -> GhostKmv | None:
         """The operator's ``GhostKmv``, built at the first K product (None: the loop — where ``ghost_products`` is
         False, or the forward pass handed a parameter to a function it does not rewrite: ``ghost_refused`` says

@@ -110,7 +110,7 @@ class JacobianOperator(DirectProducts):
 
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None,
                  *, coupled: bool | None = None, chunk_size: int | None = None,
-                 limit: ProductLimit | None = None, products: Literal["auto", "cached", "direct"] = "auto",
+                 limit: ProductLimit | None = None, products: Literal["auto", "cached", "direct", "ghost"] = "auto",
                  draws: Sequence[torch.Tensor] | None = None) -> None:
         model = uncompiled(model)  # a torch.compile'd model: its own module, the same parameters
         refuse_unreplayed(model)
@@ -174,12 +174,14 @@ class JacobianOperator(DirectProducts):
             self.loss_fn = split.per_sample
         # c, and c·B: the clipped update's largest norm per unit C, the noise budget's unit (loss_split)
         self.scale, self.span = (1.0, 1.0) if self.coupled else (split.scale, split.span)
-        if products not in ("auto", "cached", "direct"):
-            raise ValueError(f"products={products!r}: choose 'auto', 'cached' or 'direct'")
-        self.direct = not self.coupled and (products == "direct" or (
-            products == "auto" and not sizing.takes_cached(self.dtheta, self.batch_size, self.device, self.x.element_size())))
+        if products not in ("auto", "cached", "direct", "ghost"):
+            raise ValueError(f"products={products!r}: choose 'auto', 'cached', 'direct' or 'ghost'")
+        self.direct = not self.coupled and (products == "direct" or (products in ("auto", "ghost") and not sizing.takes_cached(
+            self.dtheta, self.batch_size, self.device, self.x.element_size())))
         self.sample_chunk = sizing.direct_sample_chunk(self.dtheta, self.batch_size, self.device, self.x.element_size())
         self._autograd = SampleAutograd(model, self.buffers, self.loss_fn, self.params)
+        if products == "ghost" and not self.direct and not self.coupled:
+            self.take_ghost_products()
 
     # -- building blocks -------------------------------------------------------------------
     @property

@@ -45,6 +45,19 @@ CUDA_CHUNK_SHARE = 0.125
 DIRECT_FLOATS_PER_PARAMETER = 8
 
 
+#: The guard's own operator (``flguard.guard.engine``) asks for ``products="ghost"`` on the CPU: batches the cached
+#: pullbacks would hold then take the batched ghost K product where the model's layers allow it and the batch's graphs
+#: are kept (``DirectProducts.take_ghost_products``) — measured on one CPU thread, the trained quickstart CNN's seeded
+#: round at B = 32 449 → 370 ms a step with the same iterates (docs/results.md, "Ghost products on small models").
+#: Elsewhere, and with False, "auto" (the ghost product is not measured on a GPU).
+GUARD_GHOST_ON_CPU = True
+
+
+def guard_products(device: torch.device) -> str:
+    """The ``products`` setting of the guard's operator on ``device`` (``GUARD_GHOST_ON_CPU``)."""
+    return "ghost" if GUARD_GHOST_ON_CPU and device.type == "cpu" else "auto"
+
+
 def direct_sample_chunk(dtheta: int, batch: int, device: torch.device, element_size: int = 4) -> int:
     """Samples per vmapped call on the direct path (at least 1, at most the batch): on the CPU
     ⌊min(CACHED_UP_TO, DIRECT_CHUNK_FLOATS)/dθ⌋; on a CUDA device as many as ``CUDA_CHUNK_SHARE`` of its

@@ -154,8 +154,8 @@ def _small_cnn() -> nn.Module:
 
 
 def test_products_ghost_takes_the_batched_products_where_the_cached_path_would_run():
-    """``products="ghost"`` (the guard's operator on a CPU): a batch the cached pullbacks would hold runs one sample at a
-    time with the batched ghost products on graphs built at once — its K product, summed Jᵀ, clipping images and the
+    """``products="ghost"`` (the guard's operator on a CPU): a batch the cached pullbacks would hold runs one sample
+    at a time with the batched ghost products on graphs built at once — its K product, summed Jᵀ, clipping images and the
     noise's J against the dense blocks; a model whose forward pass refuses them, or graphs too large to keep, stay
     cached."""
     model = _small_cnn()

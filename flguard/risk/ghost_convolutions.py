@@ -88,8 +88,8 @@ class Dense(Convolution):
 
 
 #: ``_Patches``' backward adds k_h·k_w strided slices from this many input channels on; below, ``F.fold`` (col2im),
-#: faster on few channels: measured on one CPU thread, [8, 64, 32, 32] 3×3 4.3 against 23.6 ms, [8, 256, 8, 8] 3.3 against
-#: 5.3 ms, [32, 1, 28, 28] and [32, 6, 12, 12] 5×5 (the quickstart CNN's) 1.2 / 1.6 against 1.1 / 1.5 ms.
+#: faster on few channels: measured on one CPU thread, [8, 64, 32, 32] 3×3 4.3 against 23.6 ms, [8, 256, 8, 8] 3.3
+#: against 5.3 ms, [32, 1, 28, 28] and [32, 6, 12, 12] 5×5 (the quickstart CNN's) 1.2 / 1.6 against 1.1 / 1.5 ms.
 SLICES_FROM_CHANNELS = 16
 
 
@@ -126,7 +126,8 @@ class _Patches(torch.autograd.Function):
         grad = grad.reshape(batch, channels, kh, kw, rows, cols)
         for i in range(kh):
             for j in range(kw):
-                out[:, :, i * dh:i * dh + sh * (rows - 1) + 1:sh, j * dw:j * dw + sw * (cols - 1) + 1:sw] += grad[:, :, i, j]
+                top, left = i * dh, j * dw
+                out[:, :, top:top + sh * (rows - 1) + 1:sh, left:left + sw * (cols - 1) + 1:sw] += grad[:, :, i, j]
         return out[:, :, ph:ph + height, pw:pw + width], None, None, None, None
 
 

@@ -23,10 +23,11 @@ input gradient recorded as a transposed convolution — and ∇_θℓ_j's part i
 two P×P Gram matrices per sample (P output positions) instead of the O×I·k² weight — the route Opacus' ghost clipping
 takes to per-sample gradient norms. Where P·(O + I·k²) ≥ 2·O·I·k² (early layers: large maps, few channels) the
 weight is formed instead, by one batched matrix product per pair. A fully connected layer is a 1×1 convolution over
-its input's inner positions (``Dense``): on a [B, I] input two dot products per pair. The batch's own convolutions (the forward pass, the
-input gradients) run batched with the shared weight, at about twice the speed of one-sample convolutions on a CPU.
-Measured on ResNet-18-GN at B = 8, one CPU thread (docs/results.md, "Ghost K products"): the K product 0.48× the
-one-at-a-time loop's, to 1.5e-6.
+its input's inner positions (``Dense``): on a [B, I] input two dot products per pair. The batch's own layers (the
+forward pass, the input gradients) run batched with the shared weight, at about twice the speed of one-sample
+convolutions on a CPU. Measured on ResNet-18-GN at B = 8, one CPU thread (docs/results.md, "Ghost K products"): the K
+product 0.48× the one-at-a-time loop's, to 1.5e-6; with ``products="ghost"`` (``flguard.risk.direct``) it also serves
+batches the cached pullbacks would hold ("Ghost products on small models").
 
 Supported: trainable parameters in ``nn.Conv2d`` (groups 1, numeric padding; a padding mode's ``F.pad`` runs before
 the convolution), ``nn.GroupNorm`` and ``nn.Linear``, each weight used once. A model with any other parameterised

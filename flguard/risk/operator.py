@@ -23,6 +23,11 @@ Two exact paths:
   fixed and products are ``vmap``-ed over tangent directions, each a whole-batch tangent that is
   zero except at sample i. Exact, but B times the work of the per-sample path.
 
+On the per-sample path ``products`` picks how: "cached" pullbacks of the whole batch, "direct" products in chunks of
+samples (``flguard.risk.sizing``; a chunk of one sample takes the batched ghost K product where the model allows it,
+``flguard.risk.ghost_products``), "auto" the cached path where it fits, and "ghost" the ghost products wherever the
+model's forward pass takes them and the batch's graphs are kept, else "auto" (the guard's own operator on a CPU).
+
 Parameters are the model's trainable parameters in ``model.parameters()`` order, flattened.
 
 Train-mode dropout (``nn.Dropout``, ``nn.Dropout1d/2d/3d``, attention's, ``ReplayedDropPath``) is measured with its
@@ -176,8 +181,8 @@ class JacobianOperator(DirectProducts):
         self.scale, self.span = (1.0, 1.0) if self.coupled else (split.scale, split.span)
         if products not in ("auto", "cached", "direct", "ghost"):
             raise ValueError(f"products={products!r}: choose 'auto', 'cached', 'direct' or 'ghost'")
-        self.direct = not self.coupled and (products == "direct" or (products in ("auto", "ghost") and not sizing.takes_cached(
-            self.dtheta, self.batch_size, self.device, self.x.element_size())))
+        fits = sizing.takes_cached(self.dtheta, self.batch_size, self.device, self.x.element_size())
+        self.direct = not self.coupled and (products == "direct" or (products in ("auto", "ghost") and not fits))
         self.sample_chunk = sizing.direct_sample_chunk(self.dtheta, self.batch_size, self.device, self.x.element_size())
         self._autograd = SampleAutograd(model, self.buffers, self.loss_fn, self.params)
         if products == "ghost" and not self.direct and not self.coupled:

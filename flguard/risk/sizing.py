@@ -48,7 +48,8 @@ DIRECT_FLOATS_PER_PARAMETER = 8
 #: The guard's own operator (``flguard.guard.engine``) asks for ``products="ghost"`` on the CPU: batches the cached
 #: pullbacks would hold then take the batched ghost K product where the model's layers allow it and the batch's graphs
 #: are kept (``DirectProducts.take_ghost_products``) — measured on one CPU thread, the trained quickstart CNN's seeded
-#: round at B = 32 449 → 370 ms a step with the same iterates (docs/results.md, "Ghost products on small models").
+#: round at B = 32 491 → 417 ms a step on average over four pairs side by side, the same iterates (docs/results.md,
+#: "Ghost products on small models").
 #: Elsewhere, and with False, "auto" (the ghost product is not measured on a GPU).
 GUARD_GHOST_ON_CPU = True
 

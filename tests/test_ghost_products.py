@@ -162,6 +162,7 @@ def test_products_ghost_takes_the_batched_products_where_the_cached_path_would_r
     x, y = _batch(4)
     op = JacobianOperator(model, x, y, products="ghost")
     assert op.direct and op.one_at_a_time and op._ghost is not None and op._ghost.retained
+    assert [layer.reads_input for layer in op._ghost.graphs[0].layers] == [True, False, False, False]
     assert not JacobianOperator(model, x, y).direct  # "auto" keeps the cached pullbacks
     jac, _ = dense_jacobians(model, x, y)
     u = torch.randn(4, 2, op.dx, dtype=torch.float64)

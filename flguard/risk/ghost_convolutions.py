@@ -30,6 +30,7 @@ class Convolution:
     first: tuple[torch.Tensor, torch.Tensor] | None = None
     pairs: list = field(default_factory=list)
     collecting: list = field(default_factory=lambda: [False])  # shared by one graph's convolutions
+    reads_input: bool = False  # whether the layer's input is the model's input itself (pass 1's leaf x)
 
     def convolve(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         stride, padding, dilation = self.settings
@@ -96,8 +97,8 @@ SLICES_FROM_CHANNELS = 16
 class _Patches(torch.autograd.Function):
     """``F.unfold`` of a 4-D input as a strided view copied once (on one CPU thread 3–9× faster than its im2col), its
     backward k_h·k_w strided slice additions where the input has ``SLICES_FROM_CHANNELS`` channels or more (up to 5×
-    faster than col2im), ``F.fold`` below. The ghost K product (``benchmarks/bench_ghost_products.py``): 0.88× on the
-    quickstart CNN at B = 32, 0.85× on ResNet-18-GN at B = 8."""
+    faster than col2im), ``F.fold`` below. The ghost K product against ``F.unfold``'s (docs/results.md, "Ghost products
+    on small models"): 0.88× on the quickstart CNN at B = 32, 0.85× on ResNet-18-GN at B = 8."""
 
     @staticmethod
     def forward(x: torch.Tensor, kernel: tuple, stride: tuple, padding: tuple, dilation: tuple) -> torch.Tensor:
@@ -148,7 +149,6 @@ class GhostConv2d(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         ctx.save_for_backward(inputs[0])
         ctx.layer = weakref.ref(inputs[2])  # the layer holds δ, whose graph holds this node: no cycle through C++
-        ctx.on_input = inputs[0].is_leaf  # the model's input itself: pass 2 wants no gradient there
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple:
@@ -162,7 +162,7 @@ class GhostConv2d(torch.autograd.Function):
             layer.pairs.append((gy, None))  # b = pass 1's x: its patches are the ones pair_dot unfolds anyway
         # (autograd asks a Python function for every input's gradient; pass 2 (collecting) differentiates in the
         # parameters only, so the model input's, a first layer's transposed convolution, would be thrown away)
-        wanted = ctx.needs_input_grad[0] and not (layer.collecting[0] and ctx.on_input)
+        wanted = ctx.needs_input_grad[0] and not (layer.collecting[0] and layer.reads_input)
         gx = layer.transposed(gy, x.shape) if wanted else None
         return gx, torch.zeros_like(layer.token), None
 

@@ -91,9 +91,11 @@ class _PerSampleParameters(TorchFunctionMode):
     ``GhostConv2d`` (their weights shared), GroupNorm's affine parameters and every bias as batched products; any other
     function handed a parameter raises ``Unsupported`` (its per-sample view would broadcast wrongly)."""
 
-    def __init__(self, batch: int, weights: dict[int, str], dense: set[int], per_sample: dict[int, str]) -> None:
+    def __init__(self, batch: int, weights: dict[int, str], dense: set[int], per_sample: dict[int, str],
+                 model_input: torch.Tensor) -> None:
         super().__init__()
         self.batch, self.weights, self.dense, self.per_sample = batch, weights, dense, per_sample
+        self.model_input = model_input
         self.layers: list[Convolution] = []
         self.collecting = [False]
 
@@ -129,6 +131,7 @@ class _PerSampleParameters(TorchFunctionMode):
         if any(seen.weight is layer.weight for seen in self.layers):
             raise Unsupported(f"{layer.name} is used by two layers")
         self._batched(input, where)
+        layer.reads_input = input is self.model_input  # pass 2 then skips its input gradient
         self.layers.append(layer)
         return GhostConv2d.apply(input, layer.token, layer)
 
@@ -238,7 +241,7 @@ class GhostKmv:
                 values[name] = p.expand(rows, *p.shape).requires_grad_(True)
                 per_sample[id(values[name])] = name
         x = self.x[start:stop].detach().requires_grad_(True)
-        mode = _PerSampleParameters(rows, weights, dense, per_sample)
+        mode = _PerSampleParameters(rows, weights, dense, per_sample, x)
         with mode:
             logits = functional_forward(self.model, (values, self.buffers), x, ())
         loss = _summed_losses(self.loss_fn, logits, self.y[start:stop])

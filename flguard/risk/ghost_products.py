@@ -140,9 +140,9 @@ class _PerSampleParameters(TorchFunctionMode):
 
     def _conv2d(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: Any = 1,
                 padding: Any = 0, dilation: Any = 1, groups: int = 1) -> torch.Tensor:
-        if id(weight) not in self.weights or id(weight) in self.dense:
-            if id(weight) in self.per_sample or id(weight) in self.dense:
-                raise Unsupported(f"conv2d takes {self._name(weight)} as its weight")
+        if id(weight) in self.per_sample or id(weight) in self.dense:
+            raise Unsupported(f"conv2d takes {self._name(weight)} as its weight")
+        if id(weight) not in self.weights:
             return F.conv2d(input, weight, None, stride, padding, dilation, groups) + self._bias(bias, 4)
         if groups != 1 or isinstance(padding, str) or input.dim() != 4:
             raise Unsupported(f"the convolution of {self.weights[id(weight)]}: groups, 'same' padding or no batch")
@@ -162,13 +162,13 @@ class _PerSampleParameters(TorchFunctionMode):
         return (out if scale is None else out * scale) + self._bias(bias, input.dim())
 
     def _linear(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if id(weight) not in self.dense:
-            if id(weight) in self.weights or id(weight) in self.per_sample:
-                raise Unsupported(f"linear takes {self._name(weight)} as its weight")
-            out = F.linear(input, weight)
-        else:
+        if id(weight) in self.dense:
             layer = Dense(weight, self.weights[id(weight)], (), self._token(input), collecting=self.collecting)
             out = self._ghost(layer, input, "a Linear layer")
+        elif id(weight) in self.weights or id(weight) in self.per_sample:
+            raise Unsupported(f"linear takes {self._name(weight)} as its weight")
+        else:
+            out = F.linear(input, weight)
         if bias is None:
             return out
         if id(bias) not in self.per_sample:

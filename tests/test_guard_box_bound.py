@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from flguard.guard.box_bound import clipped_error_bound, error_bound_from_saturation, least_scales
+from flguard.guard.box_bound import BoxProfile, clipped_error_bound, least_scales
 from flguard.guard.floor import box_scale
 
 
@@ -19,10 +19,11 @@ def _clipped(x: torch.Tensor, shift: torch.Tensor, scale: float) -> torch.Tensor
 
 def test_without_saturation_the_bound_is_the_1_lipschitz_one_exactly():
     torch.manual_seed(0)
-    error = torch.rand(5, 40, dtype=torch.float64)
+    shift = torch.randn(5, 40, dtype=torch.float64)
     radius = torch.tensor([0.0, 0.3, 1.0, 2.5, 100.0], dtype=torch.float64)
-    bound = error_bound_from_saturation(error, torch.zeros_like(error), radius)
-    expected = (error.norm(dim=1) - radius).clamp_min(0.0)  # attained: d = −R·e/‖e‖ while R ≤ ‖e‖
+    x, wide = torch.zeros(5, 40, dtype=torch.float64), torch.tensor(1e6, dtype=torch.float64)  # nothing saturates
+    bound = clipped_error_bound(x, shift, -wide, wide, 1.0, radius)
+    expected = (shift.norm(dim=1) - radius).clamp_min(0.0)  # attained: d = −R·e/‖e‖ while R ≤ ‖e‖
     assert torch.allclose(bound, expected, atol=1e-12, rtol=0)
 
 
@@ -50,8 +51,8 @@ def test_the_bound_never_exceeds_the_true_minimum_on_a_dense_grid_of_perturbatio
 def test_a_deeply_saturated_pixel_keeps_most_of_its_error():
     """One pixel 2 beyond the box, error 1, radius 1: no perturbation within the radius reaches the
     box (true minimum 1); the 1-Lipschitz bound gives 0, the dual max_w min(1, 9w) − w/(1 − w) = 7/8."""
-    bound = error_bound_from_saturation(torch.tensor([[1.0]], dtype=torch.float64), torch.tensor([[2.0]], dtype=torch.float64),
-                                        torch.tensor([1.0], dtype=torch.float64))
+    x, shift = torch.zeros(1, 1, dtype=torch.float64), torch.tensor([[3.0]], dtype=torch.float64)  # box [0, 1]
+    bound = clipped_error_bound(x, shift, torch.zeros(1), torch.ones(1), 1.0, torch.tensor([1.0], dtype=torch.float64))
     assert math.isclose(float(bound), math.sqrt(7 / 8), rel_tol=1e-12)
 
 
@@ -121,3 +122,42 @@ def test_least_scales_is_each_samples_least_reaching_scale_on_a_dense_grid():
     wide = least_scales(x, shift, low - 1e6, high + 1e6, target, limit)
     linear = target * math.sqrt(50) / shift.norm(dim=1)
     torch.testing.assert_close(wide[[0, 1, 2, 3, 5]], linear[[0, 1, 2, 3, 5]], rtol=1e-14, atol=0)
+
+
+def _dual_on_a_grid(x: torch.Tensor, shift: torch.Tensor, scale: float, radius: torch.Tensor) -> torch.Tensor:
+    """max over a dense grid of w of F(w) = Σ_p min(e_p², w(|e_p| + s_p)²) − R²w/(1 − w) (the module's dual),
+    written from its definition: per-pixel errors and overshoots of clip(x + scale·shift) in the box [0, 1]."""
+    moved = x + scale * shift
+    inside = moved.clamp(0.0, 1.0)
+    e2, k = (inside - x).square(), ((inside - x).abs() + (moved - inside).abs()).square()
+    w = torch.linspace(0.0, 1.0, 200_001, dtype=torch.float64)[:-1].unsqueeze(1)  # [W, 1]
+    r2 = (scale * radius).square()
+    return torch.stack([(torch.minimum(e2[i], w * k[i]).sum(dim=1) - r2[i] * w[:, 0] / (1 - w[:, 0])).max()
+                        for i in range(x.shape[0])]).clamp_min(0.0).sqrt()
+
+
+def test_the_profile_maximises_the_dual_at_every_scale_from_one_sort():
+    """``BoxProfile`` (one sort of the saturation scales t_p per sample) gives, at scales below, across and above
+    the pixels' saturation, the dual's maximum that a dense scan of w written from F's definition finds — never
+    above it beyond rounding, and within the scan's resolution below it; its rows and replaced rows agree."""
+    torch.manual_seed(4)
+    x = torch.rand(5, 30, dtype=torch.float64)
+    x[:, :3] = 0.0  # on the box's side: an outward pixel never errs, an inward one saturates late
+    shift = torch.randn(5, 30, dtype=torch.float64) * torch.tensor([0.1, 0.5, 1.0, 3.0, 10.0],
+                                                                  dtype=torch.float64).unsqueeze(1)
+    shift[1, 5:9] = 0.0  # still pixels
+    radius = 0.1 * shift.norm(dim=1) * torch.tensor([0.0, 1.0, 2.0, 3.0, 0.5], dtype=torch.float64)
+    profile = BoxProfile(x, shift, torch.zeros(1), torch.ones(1))
+    for scale in (0.05, 0.3, 1.0, 4.0):
+        bound = profile.certified_norms(scale, radius)
+        scanned = _dual_on_a_grid(x, shift, scale, radius)
+        assert bool((bound.square() >= scanned.square() - 1e-12).all()), scale
+        assert torch.allclose(bound, scanned, rtol=2e-3, atol=1e-9), (scale, bound, scanned)
+        torch.testing.assert_close(profile.rows(torch.tensor([3, 1])).certified_norms(scale, radius[[3, 1]]),
+                                   bound[[3, 1]], rtol=0, atol=0)
+    other = BoxProfile(x[[2]], -shift[[2]], torch.zeros(1), torch.ones(1))
+    profile.replace(torch.tensor([0]), other)
+    replaced = radius.clone()
+    replaced[0] = radius[2]
+    torch.testing.assert_close(profile.certified_norms(0.7, replaced)[:1], other.certified_norms(0.7, radius[[2]]),
+                               rtol=0, atol=0)

@@ -16,8 +16,16 @@ taken unconstrained, which can only lower it), with w = λ/(1+λ) ∈ [0, 1):
     F(w) = Σ_p min(e_p², w·(|e_p| + s_p)²) − R²·w/(1 − w).
 
 Any w gives a rigorous bound; F is concave (a dual function), and piecewise smooth between the
-breakpoints r_p = e_p²/(|e_p|+s_p)², so its maximum is found exactly from one sort per sample. With
-no saturated pixel F's maximum is (‖e‖ − R)², the 1-Lipschitz bound; saturation only raises it.
+breakpoints r_p = e_p²/(|e_p|+s_p)², so its maximum is found exactly segment by segment. With no
+saturated pixel F's maximum is (‖e‖ − R)², the 1-Lipschitz bound; saturation only raises it.
+
+Every scale at once (``BoxProfile``): pixel p saturates at t_p = d_p/|Δ̃_p| (d_p its room in the box on the
+side Δ̃_p points to); at scale c a pixel with t_p < c has |e_p| = d_p and |e_p| + s_p = c|Δ̃_p|, the others
+|e_p| = |e_p| + s_p = c|Δ̃_p|. So r_p = min((t_p/c)², 1) keeps the order of t_p at every scale, and one sort
+of the t's per sample gives every scale's segments: on the segment after the j first-saturating pixels
+F(w) = D_j + w·c²S_j − R²w/(1 − w), D_j their Σd², S_j the others' ΣΔ̃², stationary at w = 1 − η/√S_j.
+The guard asks this for dozens of scales per step (the solver's early stop, the fit's search, the
+exclusion's grid): each is then a few elementwise passes, not a sort.
 """
 
 from __future__ import annotations
@@ -26,97 +34,124 @@ import torch
 
 from flguard.risk.closed_forms import to_rmse
 
+#: The dual's w stays at or below this (the largest float64 below 1): F(w)'s penalty R²w/(1 − w) stays finite.
+_BELOW_ONE = 1.0 - 2.0 ** -53
+
+
+class BoxProfile:
+    """Samples' shifts ``shift`` [B, dx] from x in the box (``low``/``high`` broadcastable to x, which they
+    contain) in the order their pixels saturate (module docstring), float64: each scale's clipped error,
+    its certified lower bound and each sample's least reaching scale in a few elementwise passes."""
+
+    def __init__(self, x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> None:
+        x64, low64, high64 = _flat64(x, low, high)
+        step = shift.double()
+        room = torch.where(step > 0, high64 - x64, x64 - low64)  # d_p ≥ 0: the box contains x
+        size = step.abs()
+        moving = size > 0
+        saturates = torch.where(moving, room / torch.where(moving, size, torch.ones_like(size)),
+                                torch.full_like(size, float("inf")))  # t_p; a still pixel never errs
+        saturates, order = saturates.sort(dim=1)
+        room2 = torch.where(torch.isfinite(saturates), room.gather(1, order).square(), torch.zeros_like(room))
+        zero = room2.new_zeros(room2.shape[0], 1)
+        self.saturates = saturates  # t_p ascending [B, dx]
+        self.saturated = torch.cat([zero, room2.cumsum(1)], dim=1)  # [B, dx + 1]: D_j, Σd² of the first j
+        self.free = torch.cat([size.gather(1, order).square().flip(1).cumsum(1).flip(1), zero], dim=1)  # S_j
+        self.dx = shift.shape[1]
+        self.inverse_root = 1.0 / self.free.sqrt().clamp_min(torch.finfo(self.free.dtype).tiny)  # 1/√S_j
+
+    @classmethod
+    def _of(cls, *tensors: torch.Tensor) -> BoxProfile:
+        profile = cls.__new__(cls)
+        profile.saturates, profile.saturated, profile.free, profile.inverse_root = tensors
+        profile.dx = profile.saturates.shape[1]
+        return profile
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.saturates, self.saturated, self.free, self.inverse_root
+
+    def rows(self, index: torch.Tensor) -> BoxProfile:
+        """The profile of the samples ``index`` (indices or a [B] mask)."""
+        return BoxProfile._of(*(t[index] for t in self._tensors()))
+
+    def replace(self, index: torch.Tensor, other: BoxProfile) -> None:
+        """Rows ``index`` become ``other``'s (in order): the samples whose shift moved."""
+        for mine, theirs in zip(self._tensors(), other._tensors()):
+            mine[index] = theirs
+
+    def certified_norms(self, scale: float, radius: torch.Tensor) -> torch.Tensor:
+        """[B] float64: √max_w F(w), a lower bound on ‖clip(x_i + scale·Δ_i) − x_i‖ over every exact shift Δ_i
+        with ‖Δ_i − shift_i‖ ≤ ``radius`` [B] (per unit scale). The w's stay below 1 by an ulp (``_BELOW_ONE``):
+        any w < 1 bounds rigorously, and without a radius F(1) = ‖e‖² is lost only in the 16th digit."""
+        eta = radius.double().clamp_min(0.0).unsqueeze(1)
+        batch, dx = self.saturates.shape
+        ends = self.saturates.new_empty(batch, dx + 2)  # r_p in t_p's order between 0 and (almost) 1
+        ends[:, 0], ends[:, -1] = 0.0, _BELOW_ONE
+        ratio = torch.mul(self.saturates, 1.0 / scale, out=ends[:, 1:-1]).square_().clamp_max_(_BELOW_ONE)
+        start, end = ends[:, :-1], ends[:, 1:]
+        w = torch.clamp(1.0 - eta * self.inverse_root, min=start, max=end)  # the stationary point, clamped
+        value = self.saturated + w * ((scale * scale) * self.free - (scale * scale) * eta.square() / (1.0 - w))
+        # after the first unsaturated pixel a segment's start is 1: no longer F (the last valid segment ends there)
+        value[:, 1:].masked_fill_(ratio >= _BELOW_ONE, -float("inf"))
+        return value.max(dim=1).values.clamp_min(0.0).sqrt()
+
+    def certifies(self, scale: float, radius: torch.Tensor, target: float) -> torch.Tensor:
+        """[B] bool: whether ``certified_norms``' RMSE (÷√dx) reaches ``target``."""
+        return to_rmse(self.certified_norms(scale, radius), self.dx) >= target
+
+    def least_scales(self, target: float, limit: float) -> torch.Tensor:
+        """[B] float64: per sample the least scale c ≤ ``limit`` at which ‖clip(x_i + c·shift_i) − x_i‖ (÷√dx)
+        reaches ``target`` — the shift taken as exact (no radius); +inf where ``limit`` does not reach it.
+
+        Exact: pixel p's clipped error is min(c·|s_p|, d_p), so between consecutive sorted t's the squared
+        error is D + c²S: the segment where it first reaches the target is found from its values at the t's
+        (nondecreasing), and c there in closed form."""
+        dx, saturates = self.dx, self.saturates
+        saturated, free = self.saturated[:, :-1], self.free[:, :-1]  # D before and S from each t_p
+        need = target * target * dx
+        at_breaks = saturated + torch.where(torch.isfinite(saturates), saturates.square() * free,
+                                            torch.zeros_like(free))
+        before = (at_breaks < need).sum(dim=1, keepdim=True)  # the first t_p where it is reached; dx: none is
+        segment = before.clamp_max(dx - 1)
+        scale = ((need - saturated.gather(1, segment)).clamp_min(0.0) / free.gather(1, segment)).sqrt().squeeze(1)
+        inf = torch.full_like(scale, float("inf"))
+        return torch.where((before.squeeze(1) < dx) & (scale <= limit), scale, inf)
+
 
 def clipped_error_bound(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
                         scale: float, radius: torch.Tensor) -> torch.Tensor:
     """[B]: a lower bound on ‖clip(x_i + scale·Δ_i, low, high) − x_i‖ over every exact shift Δ_i with
     ‖Δ_i − shift_i‖ ≤ radius_i (``shift`` [B, dx], ``radius`` [B] per unit scale; ``low``/``high``
     broadcastable to x, which they contain). Computed in float64."""
-    error, beyond = _errors(x, shift, low, high, scale)
-    return error_bound_from_saturation(error, beyond, scale * radius.double().clamp_min(0.0))
+    return BoxProfile(x, shift, low, high).certified_norms(scale, radius)
 
 
 def certifies(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: torch.Tensor, scale: float,
               radius: torch.Tensor, target: float) -> torch.Tensor:
     """[B] bool: whether ``clipped_error_bound``'s RMSE (÷√dx) reaches ``target`` — decided by the
-    cheap bounds where they settle it (r̃ − R reaches it: yes; r̃ itself does not: no), the dual's
-    sort run only on the other samples (the floor asks this for dozens of scales per step)."""
+    cheap bounds where they settle it (r̃ − R reaches it: yes; r̃ itself does not: no), the profile's
+    sort run only on the other samples (a scale asked once; ``BoxProfile`` for many)."""
     dx = shift.shape[1]
-    error, beyond = _errors(x, shift, low, high, scale)
+    x64, low64, high64 = _flat64(x, low, high)
+    moved = x64 + scale * shift.double()
+    nominal = (torch.minimum(torch.maximum(moved, low64), high64) - x64).norm(dim=1)
     r = scale * radius.double().clamp_min(0.0)
-    nominal = error.norm(dim=1)
     out = to_rmse(nominal - r, dx) >= target
     undecided = ~out & (to_rmse(nominal, dx) >= target)
     if bool(undecided.any()):
-        out[undecided] = to_rmse(error_bound_from_saturation(error[undecided], beyond[undecided], r[undecided]), dx) >= target
+        rows = undecided.nonzero().squeeze(1)
+        profile = BoxProfile(x64[rows], shift[rows], low64[rows], high64[rows])
+        out[rows] = profile.certifies(scale, radius[rows], target)
     return out
 
 
 def least_scales(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: torch.Tensor, target: float,
                  limit: float) -> torch.Tensor:
-    """[B] float64: per sample the least scale c ≤ ``limit`` at which ‖clip(x_i + c·shift_i) − x_i‖ (÷√dx)
-    reaches ``target`` — the shift taken as exact (no radius); +inf where ``limit`` does not reach it.
-
-    Exact, from one sort per sample: pixel p's clipped error is min(c·|s_p|, d_p), d_p the distance from x_p to
-    the box's side that s_p points to, so it saturates at t_p = d_p/|s_p|, and between consecutive sorted t's
-    the squared error is D + c²S (D the saturated pixels' d², S the others' s²): the segment where it first
-    reaches the target is found from its values at the t's (nondecreasing), and c there in closed form."""
-    dx = shift.shape[1]
-    x64, low64, high64 = _flat64(x, low, high)
-    step = shift.double()
-    room = torch.where(step > 0, high64 - x64, x64 - low64)  # d_p ≥ 0: the box contains x
-    size = step.abs()
-    moving = size > 0
-    saturates = torch.where(moving, room / torch.where(moving, size, torch.ones_like(size)),
-                            torch.full_like(size, float("inf")))  # t_p; a still pixel never errs
-    saturates, order = saturates.sort(dim=1)
-    room2, size2 = room.gather(1, order).square(), size.gather(1, order).square()
-    room2 = torch.where(torch.isfinite(saturates), room2, torch.zeros_like(room2))
-    saturated = torch.cumsum(room2, dim=1) - room2  # D before each t_p: the pixels that saturate below it
-    free = size2.flip(1).cumsum(1).flip(1)  # S from each t_p on: the pixels that saturate at or above it
-    need = target * target * dx
-    at_breaks = saturated + torch.where(torch.isfinite(saturates), saturates.square() * free, torch.zeros_like(free))
-    before = (at_breaks < need).sum(dim=1, keepdim=True)  # the first t_p where it is reached; dx: none is
-    segment = before.clamp_max(dx - 1)
-    scale = ((need - saturated.gather(1, segment)).clamp_min(0.0) / free.gather(1, segment)).sqrt().squeeze(1)
-    inf = torch.full_like(scale, float("inf"))
-    return torch.where((before.squeeze(1) < dx) & (scale <= limit), scale, inf)
-
-
-def _errors(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
-            scale: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(|clip(x + scale·shift) − x|, the distance of x + scale·shift outside the box) per pixel [B, dx], float64;
-    ``scale`` one number or one per sample [B, 1]."""
-    x64, low64, high64 = _flat64(x, low, high)
-    moved = x64 + scale * shift.double()
-    inside = torch.minimum(torch.maximum(moved, low64), high64)
-    return (inside - x64).abs(), (moved - inside).abs()
+    """[B] float64: ``BoxProfile.least_scales`` of these shifts."""
+    return BoxProfile(x, shift, low, high).least_scales(target, limit)
 
 
 def _flat64(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """x and the box (broadcastable to x) as float64 rows [B, dx]."""
     batch = x.shape[0]
     return tuple(t.double().expand_as(x).reshape(batch, -1) for t in (x, low, high))
-
-
-def error_bound_from_saturation(error: torch.Tensor, beyond: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
-    """[B]: √max_w F(w) (module docstring) for per-pixel errors |e_p| = ``error`` [B, n], distances
-    outside the box s_p = ``beyond`` [B, n] and perturbation radii R = ``radius`` [B]."""
-    a = error.square()
-    k = (error + beyond).square()
-    ratio = torch.where(k > 0, a / k.clamp_min(torch.finfo(k.dtype).tiny), torch.ones_like(k))  # r_p ∈ [0, 1]
-    ratio, order = ratio.sort(dim=1)
-    a, k = a.gather(1, order), k.gather(1, order)
-    zero = a.new_zeros(a.shape[0], 1)
-    below = torch.cat([zero, a.cumsum(1)], dim=1)  # Σ a_p over the j pixels with the smallest r_p
-    above = torch.cat([k.flip(1).cumsum(1).flip(1), zero], dim=1)  # Σ k_p over the others
-    start = torch.cat([zero, ratio], dim=1)  # segment j: w ∈ [r_(j), r_(j+1)], r_(0) = 0, r_(n+1) = 1
-    end = torch.cat([ratio, torch.ones_like(zero)], dim=1)
-    rad = radius.unsqueeze(1)
-    # F' = S_j − R²/(1 − w)² on segment j: stationary at w = 1 − R/√S_j, clamped to the segment
-    stationary = 1.0 - rad / above.sqrt().clamp_min(torch.finfo(a.dtype).tiny)
-    w = torch.minimum(torch.maximum(stationary, start), end)
-    penalty = torch.where(w < 1.0, rad.square() * w / (1.0 - w).clamp_min(torch.finfo(a.dtype).tiny),
-                          torch.where(rad > 0, torch.full_like(w, float("inf")), torch.zeros_like(w)))
-    value = w * above + below - penalty
-    return value.max(dim=1).values.clamp_min(0.0).sqrt()

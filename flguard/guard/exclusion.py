@@ -21,28 +21,28 @@ import math
 
 import torch
 
-from flguard.guard.box_bound import certifies
+from flguard.guard.box_bound import BoxProfile
 from flguard.risk.closed_forms import to_rmse
 from flguard.risk.clipped import ClippedJacobian
 from flguard.risk.operator import JacobianOperator
 
 
-def reachable_at(x: torch.Tensor, shift: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor] | None,
+def reachable_at(x: torch.Tensor, shift: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor] | BoxProfile | None,
                  scale: float, tau: float, rtol: float, slack: torch.Tensor | None = None) -> torch.Tensor:
     """[B] bool: which samples' certified RMSE reaches τ(1 + rtol) at noise ``scale`` × the unit direction.
 
     ``shift`` [B, dx] is I²F's Δx̃ for the unit direction, within ``slack`` η_i (default rtol‖Δx̃_i‖)
     of the exact one. Without bounds the certified RMSE is c(‖Δx̃‖ − η)/√dx; with a box (low, high),
     broadcastable to x, the clipped error's certified lower bound (``flguard.guard.box_bound``), as
-    the guard verifies it.
+    the guard verifies it. ``bounds`` may be these shifts' ``BoxProfile`` already (one sort for many scales).
     """
     dx = shift.shape[1]
     target = tau * (1 + rtol)
     slack = rtol * shift.norm(dim=1) if slack is None else slack
     if bounds is None:
         return to_rmse((shift.norm(dim=1) - slack) * scale, dx) >= target
-    low, high = bounds
-    return certifies(x, shift, low, high, scale, slack, target)
+    profile = bounds if isinstance(bounds, BoxProfile) else BoxProfile(x, shift, *bounds)
+    return profile.certifies(scale, slack, target)
 
 
 #: A sample whose term in the upload is at most this share of the clipping norm C (or, without

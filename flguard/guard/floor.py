@@ -15,7 +15,7 @@ import torch
 
 from flguard.defenses import DIRECTIONS, DefenseContext, Direction
 from flguard.defenses.gaussian import gaussian_direction
-from flguard.guard.box_bound import certifies, least_scales
+from flguard.guard.box_bound import BoxProfile
 from flguard.guard.config import GuardConfig
 from flguard.guard.exclusion import excludable, kept_gradient, negligible_samples, reachable_at
 from flguard.guard.failure import GuardFailure
@@ -161,7 +161,6 @@ class FloorCalibrator:
         cfg = self.config
         if cfg.max_excluded <= 0 or base_operator(op).coupled or not bool(usable.any()):
             return None
-        bounds = None if cfg.bounds is None else input_bounds(cfg.bounds, op.x)
         free = negligible_samples(op)
         if not bool(usable.all()) and bool((usable | free).all()) and excludable(usable, cfg.max_excluded, free):
             # only negligible samples are out (unsolved, ``SKIP_NEGLIGIBLE``): the others certify together within
@@ -170,6 +169,7 @@ class FloorCalibrator:
             if fitted[2] and fitted[0] <= limit:
                 return usable, fitted[0], free, fitted
         best, at, rank = None, limit, None
+        bounds = None if cfg.bounds is None else BoxProfile(op.x, shift, *input_bounds(cfg.bounds, op.x))
         for scale in scale_grid(shift[usable], cfg.floor * (1 + cfg.rtol), limit):
             keep = reachable_at(op.x, shift, bounds, scale, cfg.floor, cfg.rtol, slack) & usable
             here = (int((~keep & ~free).sum()), int((~keep).sum()))  # counted left out, then all left out
@@ -192,7 +192,7 @@ class FloorCalibrator:
         cfg = self.config
         target, spread = cfg.floor * (1 + cfg.rtol), 1 + cfg.rtol
         bounds = None if cfg.bounds is None else tuple(b.expand_as(x) for b in input_bounds(cfg.bounds, x))
-        seen: list[torch.Tensor] = []  # the last call's shifts and least scales
+        seen: list = []  # the last call's shifts, their box profiles and least scales
 
         def rule(shift: torch.Tensor, error: torch.Tensor, ask: torch.Tensor) -> torch.Tensor:
             dx, out = shift.shape[1], torch.zeros_like(ask)
@@ -201,14 +201,17 @@ class FloorCalibrator:
             if bounds is None:
                 least = from_rmse(target, dx) / shift.double().norm(dim=1)
                 least = torch.where(least <= limit, least, torch.full_like(least, float("inf")))
-            else:  # only the rows whose shift moved since the last call (the samples still iterating)
-                moved = (torch.ones_like(ask) if not seen else (shift != seen[0]).any(dim=1))
-                least = seen[1].clone() if seen else torch.empty(shift.shape[0], dtype=torch.float64, device=shift.device)
-                rows = moved.nonzero().squeeze(1)
+            elif not seen:
+                profile = BoxProfile(x, shift, *bounds)
+                seen[:] = [shift.clone(), profile, profile.least_scales(target, limit)]
+            else:  # re-sorted only for the rows whose shift moved since the last call (the samples still iterating)
+                rows = (shift != seen[0]).any(dim=1).nonzero().squeeze(1)
                 if rows.numel():
-                    low, high = (b[rows] for b in bounds)
-                    least[rows] = least_scales(x[rows], shift[rows], low, high, target, limit)
-                seen[:] = [shift.clone(), least]
+                    fresh = BoxProfile(x[rows], shift[rows], *(b[rows] for b in bounds))
+                    seen[1].replace(rows, fresh)
+                    seen[2][rows] = fresh.least_scales(target, limit)
+                    seen[0] = shift.clone()
+            least = least if bounds is None else seen[2]
             # a sample's exact shift may be longer by its error: the least scale it will need is at least this
             norm = shift.double().norm(dim=1)
             least = least * norm / (norm + error.double()).clamp_min(1e-300)
@@ -219,11 +222,10 @@ class FloorCalibrator:
             if bounds is None:
                 out[rows] = to_rmse((shift[rows].double().norm(dim=1) - error[rows].double()) * need / spread, dx) >= target
                 return out
-            low, high = (b[rows] for b in bounds)
-            lower = certifies(x[rows], shift[rows], low, high, need / spread, error[rows], target)
-            rows, low, high = rows[lower], low[lower], high[lower]
-            if rows.numel():
-                out[rows] = certifies(x[rows], shift[rows], low, high, need * spread, error[rows], target)
+            asked = seen[1].rows(rows)
+            lower = asked.certifies(need / spread, error[rows], target)
+            if bool(lower.any()):
+                out[rows[lower]] = asked.rows(lower).certifies(need * spread, error[rows[lower]], target)
             return out
 
         return rule
@@ -344,12 +346,12 @@ def box_scale(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: tor
         return to_rmse((torch.clamp(x + c * delta, low, high) - x).flatten(1).norm(dim=1), dx)
 
     def meets(c: float) -> bool:
-        return bool(certifies(x, shift, low, high, c, slack, target).all())
+        return bool(profile.certifies(c, slack, target).all())
 
-    target = tau * (1 + rtol)
+    target, profile = tau * (1 + rtol), BoxProfile(x, shift, low, high)  # one sort for every scale tried
     # no sample certifies below the scale where its solved shift's clipped error alone reaches the target (the
     # certified bound is at most that error): the search starts there, computed exactly (``least_scales``)
-    nominal = float(least_scales(x, shift, low, high, target, limit).max())
+    nominal = float(profile.least_scales(target, limit).max())
     if not nominal <= limit:
         return limit, clipped(limit), False
     lo = min(max(start, nominal), limit)

@@ -101,7 +101,8 @@ class _Patches(torch.autograd.Function):
     on small models"): 0.88× on the quickstart CNN at B = 32, 0.85× on ResNet-18-GN at B = 8."""
 
     @staticmethod
-    def forward(x: torch.Tensor, kernel: tuple, stride: tuple, padding: tuple, dilation: tuple) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, kernel: tuple, stride: tuple, padding: tuple, dilation: tuple) -> torch.Tensor:
+        ctx.shape, ctx.settings = x.shape, (kernel, stride, padding, dilation)
         padded = F.pad(x, (padding[1], padding[1], padding[0], padding[0])) if any(padding) else x
         batch, channels = padded.shape[:2]
         (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
@@ -110,10 +111,6 @@ class _Patches(torch.autograd.Function):
         view = padded.as_strided((batch, channels, kh, kw, rows, cols), (sb, sc, dh * sy, dw * sx, sh * sy, sw * sx),
                                  padded.storage_offset())
         return view.reshape(batch, channels * kh * kw, rows * cols)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.shape, ctx.settings = inputs[0].shape, inputs[1:]
 
     @staticmethod
     @once_differentiable
@@ -142,13 +139,10 @@ class GhostConv2d(torch.autograd.Function):
     gradient as ``GhostConvTranspose2d``, and in pass 2 hands the weight's gradient over as the pair (δ, x)."""
 
     @staticmethod
-    def forward(x: torch.Tensor, token: torch.Tensor, layer: Convolution) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, token: torch.Tensor, layer: Convolution) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.layer = weakref.ref(layer)  # the layer holds δ, whose graph holds this node: no cycle through C++
         return layer.convolve(x)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.save_for_backward(inputs[0])
-        ctx.layer = weakref.ref(inputs[2])  # the layer holds δ, whose graph holds this node: no cycle through C++
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple:
@@ -172,13 +166,10 @@ class GhostConvTranspose2d(torch.autograd.Function):
     (g, ȳ) and its gradient in g the convolution of ȳ."""
 
     @staticmethod
-    def forward(g: torch.Tensor, token: torch.Tensor, layer: Convolution, shape: torch.Size) -> torch.Tensor:
+    def forward(ctx: Any, g: torch.Tensor, token: torch.Tensor, layer: Convolution, shape: torch.Size) -> torch.Tensor:
+        ctx.save_for_backward(g)
+        ctx.layer = weakref.ref(layer)
         return layer.transposed(g, shape)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.save_for_backward(inputs[0])
-        ctx.layer = weakref.ref(inputs[2])
 
     @staticmethod
     def backward(ctx: Any, gbar: torch.Tensor) -> tuple:

@@ -17,6 +17,25 @@ from flguard.risk.operator import JacobianOperator
 from risk_reference import dense_jacobians
 
 
+def test_pass_ones_bytes_are_measured_once_per_model_and_input_shape(monkeypatch):
+    """A guard builds a new operator at every step: pass 1's bytes per sample are measured at the first one and reused
+    for the same model, input shape and parameters (its graphs kept, so that building them checks the forward pass);
+    another input shape is measured again."""
+    model = _model()
+    x, y = _batch()
+    measured = []
+    original = GhostKmv._measure
+    monkeypatch.setattr(GhostKmv, "_measure", lambda self: measured.append(1) or original(self))
+
+    def ghost(x: torch.Tensor, y: torch.Tensor) -> GhostKmv:
+        op = JacobianOperator(model, x, y, products="direct")
+        return GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
+    first, again = ghost(x, y), ghost(x[:2], y[:2])
+    assert len(measured) == 1 and again.sample_bytes == first.sample_bytes and again.retained
+    ghost(torch.randn(3, 3, 8, 11, dtype=torch.float64), y)
+    assert len(measured) == 2
+
+
 class Block(nn.Module):
     """A ResNet block that halves the map: strided 3×3 convolution with a bias, GroupNorm, a dilated convolution with
     uneven padding, and a strided 1×1 shortcut."""
@@ -204,6 +223,24 @@ def test_patches_equal_unfold_and_its_gradient(channels):
     cotangent = torch.randn_like(want)
     torch.testing.assert_close(torch.autograd.grad(got, x, cotangent)[0], torch.autograd.grad(want, x, cotangent)[0],
                                rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("channels", [1, 3, 4], ids=["fold, 1 channel", "fold, 3 channels", "transposed convolution"])
+def test_the_input_gradient_of_a_convolution_equals_autograds(channels):
+    """``Convolution.transposed`` (by Wᵀg and ``F.fold`` into at most FOLD_INPUT_CHANNELS channels, else a transposed
+    convolution) against autograd's input gradient of the convolution, with stride, padding and dilation uneven and a
+    last row and column the stride never reaches."""
+    from flguard.risk.ghost_convolutions import FOLD_INPUT_CHANNELS, Convolution
+
+    torch.manual_seed(4)
+    x = torch.randn(2, channels, 10, 9, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, channels, 3, 2, dtype=torch.float64)
+    settings = ((2, 3), (1, 2), (2, 1))  # stride, padding, dilation
+    layer = Convolution(weight, "conv", settings, torch.zeros(()))
+    y = layer.convolve(x)
+    g = torch.randn_like(y)
+    torch.testing.assert_close(layer.transposed(g, x.shape), torch.autograd.grad(y, x, g)[0], rtol=1e-12, atol=1e-12)
+    assert (channels <= FOLD_INPUT_CHANNELS) == (channels < 4)
 
 
 class _TwiceUsed(nn.Module):

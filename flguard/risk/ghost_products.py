@@ -60,6 +60,10 @@ from flguard.risk.ghost_convolutions import Convolution, Dense, GhostConv2d, gho
 #: of at most 7, 2.72× (issue 22's bound: 3×).
 RETAINED_BYTES = 2 ** 28
 CHUNK_BYTES = 2 ** 27
+#: ``GhostKmv.overhead_rows``' unit: a parameter tensor's share of a product's fixed cost, as the bytes per sample whose
+#: rows cost as much. Measured on the quickstart CNN at one CPU thread: a K product 7.2 ms on one row and 0.52 ms a row
+#: more, its graphs' build 6 ms plus 0.17 a row, 10 parameter tensors and 54 kB per sample.
+FIXED_BYTES_PER_PARAMETER = 2 ** 16
 #: The tensor functions a parameter may pass through outside the rewritten layers: reading its shape or type.
 _METADATA = {"__get__", "dim", "size", "numel", "stride", "is_contiguous", "is_floating_point", "is_complex",
              "element_size", "__len__", "__hash__", "__eq__"}
@@ -220,6 +224,13 @@ class GhostKmv:
         most = batch if self.retained else max(1, CHUNK_BYTES // self.sample_bytes)
         self.chunk = -(-batch // -(-batch // most))  # the fewest chunks of at most ``most`` samples, evened out
         self.graphs = [self._build(start) for start in range(0, batch, self.chunk)] if self.retained else None
+
+    @property
+    def overhead_rows(self) -> float:
+        """A product's cost that does not grow with its rows, in rows' worth: FIXED_BYTES_PER_PARAMETER per parameter
+        tensor (each a layer's or a per-sample leaf's nodes in the passes) over pass 1's bytes per sample (what a row
+        adds). The quickstart CNN about 12 rows, ResNet-8-GN 3, ResNet-20-GN 0.8, ResNet-18-GN 0.2."""
+        return FIXED_BYTES_PER_PARAMETER * len(self.params) / self.sample_bytes
 
     def _measure(self) -> int:
         """Bytes that pass 1 keeps for one sample: its saved tensors, each view counted once by its own extent (not

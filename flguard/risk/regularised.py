@@ -74,9 +74,11 @@ class ShrinkingProducts:
 
     def _rebuild(self, rows: torch.Tensor) -> bool:
         """Whether to take the products on a sub-operator of exactly ``rows``: where S does not hold them, where they
-        are at most half of S on a CPU's cached path (and where the direct path's K product keeps the batch's graphs,
-        ``ghost_products``), on the rest of the direct path wherever they are fewer than S (nothing to rebuild there);
-        never otherwise on an accelerator's cached path (launch-bound products)."""
+        are at most half of S on a CPU's cached path, and on the ghost products' (``ghost_products``) where besides
+        the rows dropped pay the rebuild back within two products (a product's cost a + b·rows, the rebuild about
+        a + b·rows/3; a/b is ``GhostKmv.overhead_rows``: a dozen rows on the quickstart CNN, whose last few rows are
+        cheaper carried than rebuilt); on the rest of the direct path wherever they are fewer than S (nothing to
+        rebuild there); never otherwise on an accelerator's cached path (launch-bound products)."""
         if not self._holds(rows):
             return True
         base = base_operator(self.op)
@@ -84,7 +86,11 @@ class ShrinkingProducts:
             return rows.numel() < self.rows.numel()
         if self.op.device.type != "cpu":
             return False
-        return 2 * rows.numel() <= self.rows.numel()
+        asked, held = rows.numel(), self.rows.numel()
+        ghost = base._ghost_kmv() if base.direct else None
+        if ghost is not None:  # a rebuild ≈ a product's fixed cost and a third of its rows': paid back within two products
+            return 2 * asked <= held and 2 * (held - asked) >= ghost.overhead_rows + asked / 3
+        return 2 * asked <= held
 
     def _holds(self, rows: torch.Tensor) -> bool:
         """Whether every row asked for is in S (a mask over the batch: ``torch.isin`` sorts, 1 ms a call on a CPU). S

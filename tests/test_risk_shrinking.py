@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flguard.risk.regularised as regularised_module
-from flguard.risk import direct
+from flguard.risk import direct, ghost_products
 from flguard.risk.krylov import conjugate_gradient, preconditioned_cg, spectral_preconditioner
 from flguard.risk.clipped import ClippedJacobian
 from flguard.risk.operator import JacobianOperator
@@ -65,27 +65,32 @@ def test_shrinking_products_rebuild_at_half_and_count_batch_equivalents():
         assert op.applications - before == pytest.approx(2 * carried / 8)
 
 
-@pytest.mark.parametrize("path", ["chunks of 2", "one at a time", "one at a time, ghost K"])
+@pytest.mark.parametrize("path", ["chunks of 2", "one at a time", "one at a time, ghost K",
+                                  "one at a time, ghost K, 7 rows fixed"])
 def test_shrinking_products_on_the_direct_path(path, monkeypatch):
     """On the direct path a restricted copy builds nothing and a zero row costs a product like any other (one
     sample at a time, as a ResNet-18's on a CPU): S is always the rows asked for, never padded. Where the K product
     keeps the batch's graphs (``ghost_products``) a restricted copy builds its own, so S shrinks at half, as on a
-    CPU's cached path. Against the dense K_i, counted as that many samples' products."""
-    monkeypatch.setattr(direct, "GHOST_KMV", path.endswith("ghost K"))
+    CPU's cached path, and only where the rows dropped pay the rebuild back within two products: with a product's
+    fixed cost 7 rows' worth (``GhostKmv.overhead_rows``), 4 of 8 rows ride on the 8 (2·4 < 7 + 4/3), 1 of 8 does
+    not (2·7 ≥ 7 + 1/3). Against the dense K_i, counted as that many samples' products."""
+    fixed = 7.0 if path.endswith("7 rows fixed") else 0.0
+    monkeypatch.setattr(direct, "GHOST_KMV", "ghost K" in path)
+    monkeypatch.setattr(ghost_products.GhostKmv, "overhead_rows", property(lambda self: fixed))
     model, x, y = _problem(batch=8)
     jac, _ = dense_jacobians(model, x, y)
     kernel = jac @ jac.transpose(1, 2)
     op = JacobianOperator(model, x, y, products="direct")
     op.sample_chunk = 2 if path == "chunks of 2" else 1
     assert op.direct and op.one_at_a_time == (path != "chunks of 2")
-    assert op.ghost_products == path.endswith("ghost K")
+    assert op.ghost_products == ("ghost K" in path)
     clipped = ClippedJacobian(op, clip=float(op.per_sample_gradients().norm(dim=1).median()))
     products = ShrinkingProducts(clipped)
     gen = torch.Generator().manual_seed(2)
     plain_op = JacobianOperator(model, x, y, products="direct")
     plain_op.sample_chunk = op.sample_chunk
     plain = ShrinkingProducts(plain_op)
-    held = {8: 8, 5: 8, 4: 4, 1: 1, 2: 2} if op.ghost_products else {n: n for n in range(9)}
+    held = ({8: 8, 5: 8, 4: 8 if fixed else 4, 1: 1, 2: 2} if op.ghost_products else {n: n for n in range(9)})
     for rows in (torch.arange(8), torch.tensor([0, 2, 3, 5, 7]), torch.tensor([2, 3, 5, 7]), torch.tensor([5]),
                  torch.tensor([1, 5])):
         u = torch.randn(rows.numel(), op.dx, generator=gen, dtype=torch.float64)

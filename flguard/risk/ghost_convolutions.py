@@ -97,7 +97,8 @@ class Dense(Convolution):
 #: ``Convolution.transposed`` on an input of at most this many channels: Wᵀg and ``F.fold``, not oneDNN's transposed
 #: convolution, slow into few channels: on one CPU thread the quickstart CNN's first layer (6 → 1 channel, 5×5, 24×24)
 #: 1.7 against 2.3 ms at B = 32, 0.44 against 0.66 at B = 8, 0.10 against 0.21 at B = 1; a ResNet's 3×3 stem (64 → 3
-#: channels, 32×32) at B = 8 1.6 against 2.9 ms; its second layer (16 → 6 channels) is slower this way (1.3 against 0.7).
+#: channels, 32×32) at B = 8 1.6 against 2.9 ms; its second layer (16 → 6 channels) is slower this way (1.3 against
+#: 0.7).
 FOLD_INPUT_CHANNELS = 3
 
 #: ``_Patches``' backward adds k_h·k_w strided slices from this many input channels on; below, ``F.fold`` (col2im),
@@ -113,7 +114,8 @@ class _Patches(torch.autograd.Function):
     on small models"): 0.88× on the quickstart CNN at B = 32, 0.85× on ResNet-18-GN at B = 8."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, kernel: tuple, stride: tuple, padding: tuple, dilation: tuple) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, kernel: tuple, stride: tuple, padding: tuple,
+                dilation: tuple) -> torch.Tensor:
         ctx.shape, ctx.settings = x.shape, (kernel, stride, padding, dilation)
         padded = F.pad(x, (padding[1], padding[1], padding[0], padding[0])) if any(padding) else x
         batch, channels = padded.shape[:2]

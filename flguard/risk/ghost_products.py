@@ -388,7 +388,8 @@ _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _measure_key(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor) -> tuple:
     """What pass 1's bytes per sample depend on besides the model: the sample's shape, type and device, the trainable
     parameters and their shapes, and train or eval mode."""
-    return (tuple(x.shape[1:]), x.dtype, x.device, model.training, tuple((n, tuple(p.shape)) for n, p in params.items()))
+    shapes = tuple((name, tuple(p.shape)) for name, p in params.items())
+    return tuple(x.shape[1:]), x.dtype, x.device, model.training, shapes
 
 
 def _leaf_dot(grads: list[torch.Tensor | None], vectors: list[torch.Tensor | None]) -> torch.Tensor:

@@ -88,7 +88,7 @@ class ShrinkingProducts:
             return False
         asked, held = rows.numel(), self.rows.numel()
         ghost = base._ghost_kmv() if base.direct else None
-        if ghost is not None:  # a rebuild ≈ a product's fixed cost and a third of its rows': paid back within two products
+        if ghost is not None:  # a rebuild ≈ a product's fixed cost and a third of its rows': repaid in two products
             return 2 * asked <= held and 2 * (held - asked) >= ghost.overhead_rows + asked / 3
         return 2 * asked <= held
 

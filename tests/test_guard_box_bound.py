@@ -155,6 +155,7 @@ def test_the_profile_maximises_the_dual_at_every_scale_from_one_sort():
         assert torch.allclose(bound, scanned, rtol=2e-3, atol=1e-9), (scale, bound, scanned)
         torch.testing.assert_close(profile.rows(torch.tensor([3, 1])).certified_norms(scale, radius[[3, 1]]),
                                    bound[[3, 1]], rtol=0, atol=0)
+    assert torch.equal(profile.certified_norms(0.0, radius), torch.zeros(5, dtype=torch.float64))  # no noise, no error
     other = BoxProfile(x[[2]], -shift[[2]], torch.zeros(1), torch.ones(1))
     profile.replace(torch.tensor([0]), other)
     replaced = radius.clone()

@@ -83,8 +83,10 @@ class BoxProfile:
         """[B] float64: √max_w F(w), a lower bound on ‖clip(x_i + scale·Δ_i) − x_i‖ over every exact shift Δ_i
         with ‖Δ_i − shift_i‖ ≤ ``radius`` [B] (per unit scale). The w's stay below 1 by an ulp (``_BELOW_ONE``):
         any w < 1 bounds rigorously, and without a radius F(1) = ‖e‖² is lost only in the 16th digit."""
-        eta = radius.double().clamp_min(0.0).unsqueeze(1)
         batch, dx = self.saturates.shape
+        if not scale > 0:  # no noise: no error to certify
+            return self.saturates.new_zeros(batch)
+        eta = radius.double().clamp_min(0.0).unsqueeze(1)
         ends = self.saturates.new_empty(batch, dx + 2)  # r_p in t_p's order between 0 and (almost) 1
         ends[:, 0], ends[:, -1] = 0.0, _BELOW_ONE
         ratio = torch.mul(self.saturates, 1.0 / scale, out=ends[:, 1:-1]).square_().clamp_max_(_BELOW_ONE)

@@ -51,7 +51,9 @@ class ShrinkingProducts:
     on and off on an H200: ResNet-18-GN at B = 32 2.51 → 1.73 s per step (102 → 64 ms per application), the
     quickstart CNN 294 → 253 ms (docs/results.md, "Shrinking products on a GPU"). The parent's ``applications``
     grows by the sub-products' applications × |S|/B: the count stays in whole-batch products. Partial products
-    run eagerly (``COMPILE_PRODUCTS`` compiles the whole-batch ones only).
+    run eagerly (``COMPILE_PRODUCTS`` compiles the whole-batch ones only). On the ghost graphs a product's cost is
+    mostly fixed on a small model (the quickstart CNN's: 7.2 ms on one row, 0.52 ms a row more), so a rebuild also
+    has to repay itself within two products (``_rebuild``): its PCG's last few rows ride on S.
     """
 
     def __init__(self, op: Jacobian) -> None:
@@ -74,8 +76,8 @@ class ShrinkingProducts:
 
     def _rebuild(self, rows: torch.Tensor) -> bool:
         """Whether to take the products on a sub-operator of exactly ``rows``: where S does not hold them, where they
-        are at most half of S on a CPU's cached path, and on the ghost products' (``ghost_products``) where besides
-        the rows dropped pay the rebuild back within two products (a product's cost a + b·rows, the rebuild about
+        are at most half of S on a CPU's cached path and on the ghost products (``ghost_products``) — there only where
+        the rows dropped also pay the rebuild back within two products (a product's cost a + b·rows, the rebuild about
         a + b·rows/3; a/b is ``GhostKmv.overhead_rows``: a dozen rows on the quickstart CNN, whose last few rows are
         cheaper carried than rebuilt); on the rest of the direct path wherever they are fewer than S (nothing to
         rebuild there); never otherwise on an accelerator's cached path (launch-bound products)."""

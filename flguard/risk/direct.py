@@ -143,6 +143,13 @@ class DirectProducts:
             self._ghost_support = ghost_support(self.model)
         return self._ghost_support is None
 
+    @property
+    def ghost_overhead_rows(self) -> float | None:
+        """The batched K product's fixed cost in rows' worth (``GhostKmv.overhead_rows``): what the shrinking products
+        weigh a rebuild against; None where the products do not run on the ghost graphs."""
+        ghost = self._ghost_kmv() if self.direct else None
+        return None if ghost is None else ghost.overhead_rows
+
     def take_ghost_products(self) -> None:
         """``products="ghost"`` on a batch the cached pullbacks would hold: the direct path one sample at a time, so
         that the K products, the summed Jᵀ, the clipping's images and the noise's J run batched on the ghost graphs —

@@ -89,9 +89,9 @@ class ShrinkingProducts:
         if self.op.device.type != "cpu":
             return False
         asked, held = rows.numel(), self.rows.numel()
-        ghost = base._ghost_kmv() if base.direct else None
-        if ghost is not None:  # a rebuild ≈ a product's fixed cost and a third of its rows': repaid in two products
-            return 2 * asked <= held and 2 * (held - asked) >= ghost.overhead_rows + asked / 3
+        overhead = base.ghost_overhead_rows
+        if overhead is not None:  # a rebuild ≈ a product's fixed cost and a third of its rows': repaid in two products
+            return 2 * asked <= held and 2 * (held - asked) >= overhead + asked / 3
         return 2 * asked <= held
 
     def _holds(self, rows: torch.Tensor) -> bool:

@@ -108,11 +108,14 @@ def _seed_torch():
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Double-backward on tiny nets is dominated by thread synchronisation on a busy 2-core box."""
-    threads = torch.get_num_threads()
+    """Double-backward on tiny nets is dominated by thread synchronisation on a busy 2-core box. The count is not
+    raised again afterwards: with PyTorch 2.14's MKL on the AMD EPYC machine, ``torch.set_num_threads(n)`` with n > 1
+    (even the count already set) breaks the batched LU of float64 matrices from about 150 rows for the rest of the
+    process — ``torch.linalg.solve`` then returns garbage (oneMKL: "Parameter 6 was incorrect on entry to DLASWP") or
+    hangs — and later tests' dense references solve such batches. The guard itself takes no LU (eigh, Cholesky and QR
+    were unaffected)."""
     torch.set_num_threads(1)
     yield
-    torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

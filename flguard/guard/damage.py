@@ -6,8 +6,8 @@ the step's own batch:
     progress P = L_B(θ) − L_B(θ + s(u)),        damage D = L_B(θ + s(u + δ)) − L_B(θ + s(u)),
 
 with s(g) = −ηg for an SGD step of size η, or the change the user's optimizer would make with g from its present
-state (``flguard.guard.trial_step``: Adam's step, normalised per coordinate, is not a multiple of g). Three forward
-passes, no product (they also give L_B(θ), the batch loss before the step). ``clip_per_sample="auto"``
+state (``flguard.guard.trial_step``: Adam's step, normalised per coordinate, is not a multiple of g). Two forward
+passes, no product (L_B(θ), the batch loss before the step, from the operator's first pass). ``clip_per_sample="auto"``
 (``flguard.guard.clipping.AdaptiveClip``) keeps its raised clip level only while the noise sent there does not undo,
 on average over the recent steps, the progress the steps make, and withholds a step whose noise would, on those
 averages, both undo it and add over a quarter of the batch loss: the noise's move m = η‖δ‖/‖θ‖ says how far it takes the
@@ -53,8 +53,9 @@ def step_effect(op: Jacobian, step: float | Displacement) -> StepEffect:
         return loss if abs(loss) < float("inf") else float("inf")  # NaN too
 
     def effect(update: torch.Tensor, noise: torch.Tensor) -> tuple[float, float, float]:
-        if not taken:
-            taken.append(loss_at(None))
+        if not taken:  # the operator's first pass took it, unless the operator is a restricted copy
+            known = getattr(base, "batch_loss", None)
+            taken.append(loss_at(None) if known is None else known if abs(known) < float("inf") else float("inf"))
         before, stepped = taken[0], loss_at(update)
         damage = loss_at(update + noise) - stepped
         return before - stepped, damage if damage == damage else float("inf"), before

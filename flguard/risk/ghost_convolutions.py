@@ -207,6 +207,11 @@ def pair_dot(layer: Convolution, ghost: bool) -> torch.Tensor:
     carrying pass 1's graph: through Gram matrices (``ghost``) or the formed weight. A pair's b of None is pass 1's x
     (the forward convolution's pair): its patches are x's, unfolded once."""
     delta, x = layer.first
+    if ghost and delta.dim() == 2:  # a fully connected layer on [B, I] (P = 1): each Gram matrix one dot product
+        total, fixed = delta.new_zeros(()), x.detach()
+        for a, b in layer.pairs:
+            total = total + ((delta * a).sum(1) * (x * (fixed if b is None else b)).sum(1)).sum()
+        return total
     deltas = layer.outputs(delta)  # [B, O, P]
     patches = layer.patches(x)  # [B, I·k², P]
     fixed = patches.detach()

@@ -161,11 +161,13 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
             # every iterating sample gets its next Lanczos vector (a fresh orthogonal one at a
             # breakdown), so one whose stop fails the check can resume where it stopped
             broken = b <= 10 * machine * top.abs().clamp_min(tiny)
-            fresh = torch.randn(idx.numel(), dim, generator=generator, dtype=dtype, device=device)
-            for _ in range(2):
-                fresh = fresh - torch.einsum("rkn,rk->rn", used, torch.einsum("rkn,rn->rk", used, fresh))
-            basis[idx, length[idx]] = torch.where(broken.unsqueeze(1), fresh / fresh.norm(dim=1, keepdim=True),
-                                                  w / torch.where(broken, torch.ones_like(b), b).unsqueeze(1))
+            following = w / torch.where(broken, torch.ones_like(b), b).unsqueeze(1)
+            if bool(broken.any()):  # drawn only at a step where some sample broke down
+                fresh = torch.randn(idx.numel(), dim, generator=generator, dtype=dtype, device=device)
+                for _ in range(2):
+                    fresh = fresh - torch.einsum("rkn,rk->rn", used, torch.einsum("rkn,rn->rk", used, fresh))
+                following = torch.where(broken.unsqueeze(1), fresh / fresh.norm(dim=1, keepdim=True), following)
+            basis[idx, length[idx]] = following
             beta[idx, m] = torch.where(broken, torch.zeros_like(b), b)
         if sufficient is not None and not bool((phase != _DONE).any()):
             # all verified: the rule again on the verified iterates; one it no longer accepts resumes

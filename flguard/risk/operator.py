@@ -165,6 +165,9 @@ class JacobianOperator(DirectProducts):
                             "of the output the loss takes — wrap the model as flguard.guard.recorder.SelectedOutput("
                             "model, ('logits',)) (the keys or indices to that tensor), or guard the loop with "
                             "make_guarded, which finds it")
+        #: L_B(θ), the batch loss at these parameters from this first pass (a restricted copy has none):
+        #: ``flguard.guard.damage`` reads it instead of a forward pass of its own
+        self.batch_loss: float | None = float(self.loss_fn(logits, self.y))
         split = None if has_batch_coupling(model) else split_loss(self.loss_fn, logits, self.y)
         self.coupled = (split is None) if coupled is None else coupled
         if not self.coupled and split is None:
@@ -437,6 +440,7 @@ class JacobianOperator(DirectProducts):
         sub.__dict__.pop("_per_sample", None)
         sub.__dict__.pop("_compiled_kmv", None)  # a compiled product is bound to its own operator
         sub.__dict__.pop("_ghost", None)  # the batched K product's graphs are the batch's own
+        sub.batch_loss = None  # the whole batch's
         return sub
 
     # -- gradients -------------------------------------------------------------------------

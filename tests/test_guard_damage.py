@@ -68,6 +68,10 @@ def test_step_effect_is_the_progress_and_the_damage_of_the_sgd_step(problem):
             assert damage == pytest.approx(reference[1], rel=1e-9, abs=1e-13)
             assert loss == pytest.approx(_loss_after(model, x, y, torch.zeros_like(g), step), rel=1e-12)
     assert step_effect(op, 1e-3)(g, torch.zeros_like(g))[1] == 0.0
+    # L_B(θ) comes from the operator's first pass; a restricted copy's batch is its own rows, measured afresh
+    rows = torch.arange(2)
+    before = step_effect(op.restricted(rows), 1e-3)(g, torch.zeros_like(g))[2]
+    assert before == pytest.approx(float(nn.functional.cross_entropy(model(x[rows]), y[rows])), rel=1e-9)
     assert step_effect(op, 1e-3)(g, torch.full_like(g, float("nan")))[1] == float("inf")
 
 

@@ -106,11 +106,12 @@ def lanczos(matvec: Matvec, batch: int, dim: int, *, like: torch.Tensor, rtol: f
             done = _ends_converged(residuals, theta[:, 0], scale, rtol, ends)
             if bool(done.all()) or step == limit:
                 break
-        # Breakdown: an invariant subspace was found; continue from a fresh orthogonal vector (drawn, and
-        # orthogonalised against the basis, only at a step where some sample broke down)
+        # Breakdown: an invariant subspace was found; continue from a fresh orthogonal vector — on a CPU drawn,
+        # and orthogonalised against the basis, only at a step where some sample broke down (on a GPU at every
+        # step, as asking would wait for the device)
         broken = beta <= 10 * eps * scale
         q = w / torch.where(broken, torch.ones_like(beta), beta).unsqueeze(1)
-        if bool(broken.any()):
+        if like.device.type != "cpu" or bool(broken.any()):
             q = torch.where(broken.unsqueeze(1), _orthonormal_start(batch, dim, basis, generator, like), q)
         betas.append(torch.where(broken, torch.zeros_like(beta), beta))
         basis = torch.cat([basis, q.unsqueeze(1)], dim=1)

@@ -167,7 +167,8 @@ class JacobianOperator(DirectProducts):
                             "make_guarded, which finds it")
         #: L_B(θ), the batch loss at these parameters from this first pass (a restricted copy has none):
         #: ``flguard.guard.damage`` reads it instead of a forward pass of its own
-        self.batch_loss: float | None = float(self.loss_fn(logits, self.y))
+        loss = self.loss_fn(logits, self.y)
+        self.batch_loss: float | None = float(loss) if torch.as_tensor(loss).numel() == 1 else None
         split = None if has_batch_coupling(model) else split_loss(self.loss_fn, logits, self.y)
         self.coupled = (split is None) if coupled is None else coupled
         if not self.coupled and split is None:

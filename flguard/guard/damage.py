@@ -35,6 +35,11 @@ StepEffect = Callable[[torch.Tensor, torch.Tensor], tuple[float, float, float]]
 Displacement = Callable[[torch.Tensor], torch.Tensor]
 
 
+def _finite(loss: float) -> float:
+    """``loss``, or +inf where it is not finite (NaN too): a loss the step cannot be judged by."""
+    return loss if abs(loss) < float("inf") else float("inf")
+
+
 def step_effect(op: Jacobian, step: float | Displacement) -> StepEffect:
     """(P, D, L_B(θ)) on ``op``'s whole batch and parameters for the steps ``step``: an SGD step size η, s(g) = −ηg,
     or the ``Displacement`` s (module doc). L_B(θ) is taken once: a step redone at another clip level has the same θ
@@ -49,13 +54,12 @@ def step_effect(op: Jacobian, step: float | Displacement) -> StepEffect:
         moved = values if flat is None else [value + piece.view_as(value).to(value) for value, piece
                                              in zip(values, displacement(flat).to(flat.device).split(sizes))]
         with torch.no_grad():
-            loss = float(base.batch_loss_fn(base._forward(dict(zip(base.names, moved)), base.x), base.y))
-        return loss if abs(loss) < float("inf") else float("inf")  # NaN too
+            return _finite(float(base.batch_loss_fn(base._forward(dict(zip(base.names, moved)), base.x), base.y)))
 
     def effect(update: torch.Tensor, noise: torch.Tensor) -> tuple[float, float, float]:
         if not taken:  # the operator's first pass took it, unless the operator is a restricted copy
             known = getattr(base, "batch_loss", None)
-            taken.append(loss_at(None) if known is None else known if abs(known) < float("inf") else float("inf"))
+            taken.append(loss_at(None) if known is None else _finite(known))
         before, stepped = taken[0], loss_at(update)
         damage = loss_at(update + noise) - stepped
         return before - stepped, damage if damage == damage else float("inf"), before

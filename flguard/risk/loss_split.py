@@ -39,10 +39,12 @@ class LossSplit:
     span: float
 
 
-def split_loss(loss_fn: LossFn, logits: torch.Tensor, labels: torch.Tensor) -> LossSplit | None:
+def split_loss(loss_fn: LossFn, logits: torch.Tensor, labels: torch.Tensor,
+               batch_loss: float | None = None) -> LossSplit | None:
     """The split of ``loss_fn`` on this batch (module doc), or None where neither a mean, a sum nor a weighted mean
-    fits."""
-    batch_loss, size = float(loss_fn(logits, labels)), int(logits.shape[0])
+    fits. ``batch_loss``: loss_fn(logits, labels) where the caller has it already."""
+    size = int(logits.shape[0])
+    batch_loss = float(loss_fn(logits, labels)) if batch_loss is None else batch_loss
     if _weighted(loss_fn, labels):  # first: weights within 1e-4 of uniform would pass as a plain mean, unweighted
         return _weighted_split(loss_fn, logits, labels, batch_loss)
     total = _per_sample_total(loss_fn, logits, labels)

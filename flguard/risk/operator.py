@@ -169,7 +169,7 @@ class JacobianOperator(DirectProducts):
         #: ``flguard.guard.damage`` reads it instead of a forward pass of its own
         loss = self.loss_fn(logits, self.y)
         self.batch_loss: float | None = float(loss) if torch.as_tensor(loss).numel() == 1 else None
-        split = None if has_batch_coupling(model) else split_loss(self.loss_fn, logits, self.y)
+        split = None if has_batch_coupling(model) else split_loss(self.loss_fn, logits, self.y, self.batch_loss)
         self.coupled = (split is None) if coupled is None else coupled
         if not self.coupled and split is None:
             raise ValueError("coupled=False needs a per-sample-separable loss (mean or sum reduction) "

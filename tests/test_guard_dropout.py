@@ -15,6 +15,7 @@ from torch import nn
 from flguard import GuardConfig, GuardFailure, check_model, make_guarded
 from flguard.guard import Guard
 from flguard.guard.recorder import GuardMisuse
+from flguard.risk import direct
 from flguard.risk.dropout_draws import DropoutDraws, ReplayedDropPath
 from flguard.risk.functional import functional_forward
 from flguard.risk.operator import JacobianOperator
@@ -91,17 +92,21 @@ def _masks_of_the_next_pass(model: DropoutResNet):
     return seen, handles
 
 
-@pytest.mark.parametrize("path", ["cached", "direct", "one at a time"])
-def test_the_operator_replays_each_samples_masks_on_every_path_against_dense_float64(path):
+@pytest.mark.parametrize("path", ["cached", "direct", "one at a time", "ghost"])
+def test_the_operator_replays_each_samples_masks_on_every_path_against_dense_float64(path, monkeypatch):
     """The operator draws the masks in its first pass (no draws given) and every product replays sample i's own:
     J_iv, J_iᵀu, K_iu, the per-sample gradients, Σ_iJ_iᵀu_i and a restricted operator's rows equal the dense
-    Jacobians of the model with those masks as fixed multipliers, on the cached path, the vmapped direct path and
-    plain autograd one sample at a time, with channels-last weights and inputs."""
+    Jacobians of the model with those masks as fixed multipliers, on the cached path, the vmapped direct path, plain
+    autograd one sample at a time and the batched ghost products (their graphs built with each row's masks), with
+    channels-last weights and inputs."""
+    if path == "one at a time":
+        monkeypatch.setattr(direct, "GHOST_KMV", False)
     model, x, y = _problem()
-    op = JacobianOperator(model, x, y, products="cached" if path == "cached" else "direct")
+    op = JacobianOperator(model, x, y, products={"cached": "cached", "ghost": "ghost"}.get(path, "direct"))
     if path == "one at a time":
         op.sample_chunk = 1
-    assert op.one_at_a_time == (path == "one at a time") and op.drew_masks and len(op.draws) == 3
+    assert op.one_at_a_time == (path in ("one at a time", "ghost")) and op.drew_masks and len(op.draws) == 3
+    assert (getattr(op, "_ghost", None) is not None) == (path == "ghost")
     channel, branch, feature = op.draws
     assert channel.shape == (6, 4, 1, 1) and branch.shape == (6, 1, 1, 1) and feature.shape == (6, 4)
     assert set(channel.unique().tolist()) <= {0.0, 1 / 0.75} and set(feature.unique().tolist()) <= {0.0, 2.0}

@@ -136,8 +136,8 @@ class DirectProducts:
     @property
     def ghost_products(self) -> bool:
         """Whether the K product runs batched with ghost per-sample weight gradients (``GHOST_KMV``): one sample at a
-        time otherwise, on a model whose layers ``ghost_support`` takes, without dropout masks to replay."""
-        if not (GHOST_KMV and self.one_at_a_time and not self.draws):
+        time otherwise, on a model whose layers ``ghost_support`` takes (its dropouts' masks replayed batched)."""
+        if not (GHOST_KMV and self.one_at_a_time):
             return False
         if "_ghost_support" not in self.__dict__:  # the model's layers, looked at once
             self._ghost_support = ghost_support(self.model)
@@ -176,7 +176,7 @@ class DirectProducts:
             try:
                 # a restricted copy inherits the measure (and the check) of its operator's first GhostKmv
                 self._ghost = GhostKmv(self.model, self.params, self.buffers, self.loss_fn, self.x, self.y,
-                                       getattr(self, "_ghost_sample_bytes", None))
+                                       getattr(self, "_ghost_sample_bytes", None), self.draws)
             except Unsupported as reason:
                 self.ghost_refused = str(reason)
                 return None

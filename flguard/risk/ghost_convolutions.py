@@ -31,18 +31,19 @@ class Convolution:
     pairs: list = field(default_factory=list)
     collecting: list = field(default_factory=lambda: [False])  # shared by one graph's convolutions
     reads_input: bool = False  # whether the layer's input is the model's input itself (pass 1's leaf x)
+    groups: int = 1  # G: input and output channels in G groups, each group's outputs reading its own inputs
 
     def convolve(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         stride, padding, dilation = self.settings
-        return F.conv2d(x, self.weight if weight is None else weight, None, stride, padding, dilation)
+        return F.conv2d(x, self.weight if weight is None else weight, None, stride, padding, dilation, self.groups)
 
     def transposed(self, g: torch.Tensor, shape: torch.Size, weight: torch.Tensor | None = None) -> torch.Tensor:
         """The convolution's input gradient for output gradient ``g`` (input of ``shape``), a transposed convolution
         with the rows and columns a strided convolution never reached as its output padding — on an input of at most
         FOLD_INPUT_CHANNELS channels (an image model's first layer) as Wᵀg per position summed back by ``F.fold``."""
         weight = self.weight if weight is None else weight
-        if weight.shape[1] > FOLD_INPUT_CHANNELS:
-            return input_gradient(g, weight, shape, *self.settings)
+        if weight.shape[1] > FOLD_INPUT_CHANNELS or self.groups != 1:
+            return input_gradient(g, weight, shape, *self.settings, self.groups)
         stride, padding, dilation = self.settings
         columns = torch.matmul(weight.reshape(weight.shape[0], -1).t(), g.reshape(g.shape[0], g.shape[1], -1))
         return F.fold(columns, tuple(shape[2:]), tuple(weight.shape[2:]), dilation, padding, stride)
@@ -51,7 +52,8 @@ class Convolution:
         """wgrad(a, b) summed over the batch: the gradient in the weight of ⟨a, conv(b, W)⟩ (contiguous operands:
         oneDNN's channels-last strided 1×1 weight gradient is wrong on some CPUs, tests/conftest.py)."""
         stride, padding, dilation = self.settings
-        return torch.nn.grad.conv2d_weight(b.contiguous(), self.weight.shape, a.contiguous(), stride, padding, dilation)
+        return torch.nn.grad.conv2d_weight(b.contiguous(), self.weight.shape, a.contiguous(), stride, padding, dilation,
+                                           self.groups)
 
     def patches(self, x: torch.Tensor) -> torch.Tensor:
         """[B, I·k², P]: the input's patches in the weight's order (``F.unfold``'s result, ``_Patches``)."""
@@ -65,6 +67,17 @@ class Convolution:
     def positions(self) -> int:
         """P, the output positions of one sample (pass 1's δ)."""
         return self.first[0][0, 0].numel()
+
+    def per_sample_weights(self, outputs: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+        """[B, O, I·k²/G]: each sample's Σ_p outputs(p) ⊗ patch(p) (``outputs`` [B, O, P], ``patches`` [B, I·k², P]) —
+        the weight gradient of one sample, each group's outputs against its own inputs' patches."""
+        return torch.bmm(_by_group(outputs, self.groups), _by_group(patches, self.groups).transpose(1, 2)).reshape(
+            outputs.shape[0], outputs.shape[1], -1)
+
+    def applied(self, weights: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+        """[B, O, P]: each sample's weight ``weights`` [B, O, I·k²/G] applied to its ``patches`` [B, I·k², P]."""
+        return torch.bmm(_by_group(weights, self.groups), _by_group(patches, self.groups)).reshape(
+            weights.shape[0], weights.shape[1], -1)
 
 
 @dataclass(eq=False)
@@ -195,8 +208,16 @@ class GhostConvTranspose2d(torch.autograd.Function):
         return dg, torch.zeros_like(layer.token), None, None
 
 
+def _by_group(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, G·n, m] → [B·G, n, m]: a sample's rows split into its G groups, each group a matrix of its own."""
+    return t.reshape(t.shape[0] * groups, t.shape[1] // groups, t.shape[2])
+
+
 def ghost_cheaper(layer: Convolution) -> bool:
-    """Whether the Gram matrices (P·(O + I·k²) per pair and sample) cost less than forming the weight (2·O·I·k²)."""
+    """Whether the Gram matrices (P·(O + I·k²) per pair and sample) cost less than forming the weight (2·O·I·k²);
+    never for a grouped convolution, whose Gram matrices would be one pair per group (its weight is G times smaller)."""
+    if layer.groups != 1:
+        return False
     positions = layer.positions()
     outputs, inputs = layer.weight.shape[0], layer.weight[0].numel()
     return positions * (outputs + inputs) < 2 * outputs * inputs
@@ -204,9 +225,11 @@ def ghost_cheaper(layer: Convolution) -> bool:
 
 def pair_dot(layer: Convolution, ghost: bool) -> torch.Tensor:
     """Σ_j ⟨wgrad(δ_j, x_j), w_j⟩ with w_j = Σ_pairs wgrad(a_j, b_j) (``flguard.risk.ghost_products``), δ and x
-    carrying pass 1's graph: through Gram matrices (``ghost``) or the formed weight. A pair's b of None is pass 1's x
-    (the forward convolution's pair): its patches are x's, unfolded once."""
+    carrying pass 1's graph: through Gram matrices (``ghost``; a grouped convolution always forms its weight) or the
+    formed weight. A pair's b of None is pass 1's x (the forward convolution's pair): its patches are x's, unfolded
+    once."""
     delta, x = layer.first
+    ghost = ghost and layer.groups == 1
     if ghost and delta.dim() == 2:  # a fully connected layer on [B, I] (P = 1): each Gram matrix one dot product
         total, fixed = delta.new_zeros(()), x.detach()
         for a, b in layer.pairs:
@@ -224,7 +247,6 @@ def pair_dot(layer: Convolution, ghost: bool) -> torch.Tensor:
         return total
     weight = None
     for a, b in layer.pairs:
-        part = torch.bmm(layer.outputs(a),
-                         (fixed if b is None else layer.patches(b)).transpose(1, 2))  # [B, O, I·k²]
+        part = layer.per_sample_weights(layer.outputs(a), fixed if b is None else layer.patches(b))  # [B, O, I·k²/G]
         weight = part if weight is None else weight + part
-    return (torch.bmm(weight, patches) * deltas).sum()
+    return (layer.applied(weight, patches) * deltas).sum()

@@ -29,7 +29,8 @@ convolutions on a CPU. Measured on ResNet-18-GN at B = 8, one CPU thread (docs/r
 product 0.48× the one-at-a-time loop's, to 1.5e-6; with ``products="ghost"`` (``flguard.risk.direct``) it also serves
 batches the cached pullbacks would hold ("Ghost products on small models").
 
-Supported: trainable parameters in ``nn.Conv2d`` (groups 1, numeric padding; a padding mode's ``F.pad`` runs before
+Supported: trainable parameters in ``nn.Conv2d`` (numeric padding, any groups — a grouped or depthwise convolution
+always forms its per-sample weight, G times smaller than an ungrouped one's; a padding mode's ``F.pad`` runs before
 the convolution), ``nn.GroupNorm`` and ``nn.Linear``, each weight used once. A model with any other parameterised
 layer, or a forward pass that hands a parameter to any other function (checked on every call of the pass that builds
 the graph), raises ``Unsupported``, and the operator keeps the one-at-a-time products.
@@ -50,6 +51,7 @@ from torch.nn.modules.utils import _pair
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from flguard.risk.dropout_draws import sample_rows
 from flguard.risk.functional import functional_forward
 from flguard.risk.ghost_convolutions import Convolution, Dense, GhostConv2d, ghost_cheaper, pair_dot
 
@@ -75,15 +77,15 @@ class Unsupported(Exception):
 
 def ghost_support(model: nn.Module) -> str | None:
     """Why the batched product cannot take ``model`` (None: it can, subject to ``GhostKmv``'s check of its forward
-    pass): each trainable parameter must belong to an ``nn.Conv2d`` with groups 1 and numeric padding, an
+    pass): each trainable parameter must belong to an ``nn.Conv2d`` with numeric padding, an
     ``nn.GroupNorm`` or an ``nn.Linear``."""
     for path, module in model.named_modules():
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if not own:
             continue
         if isinstance(module, nn.Conv2d) and type(module).forward is nn.Conv2d.forward:
-            if module.groups != 1 or isinstance(module.padding, str):
-                return f"{path or 'the model'}: a grouped or 'same'-padded convolution"
+            if isinstance(module.padding, str):
+                return f"{path or 'the model'}: a 'same'-padded convolution"
         elif not (isinstance(module, (nn.GroupNorm, nn.Linear)) and type(module).forward in (nn.GroupNorm.forward,
                                                                                             nn.Linear.forward)):
             return f"{path or 'the model'}: a {type(module).__name__} with trainable parameters"
@@ -149,10 +151,10 @@ class _PerSampleParameters(TorchFunctionMode):
             raise Unsupported(f"conv2d takes {self._name(weight)} as its weight")
         if id(weight) not in self.weights:
             return F.conv2d(input, weight, None, stride, padding, dilation, groups) + self._bias(bias, 4)
-        if groups != 1 or isinstance(padding, str) or input.dim() != 4:
-            raise Unsupported(f"the convolution of {self.weights[id(weight)]}: groups, 'same' padding or no batch")
+        if isinstance(padding, str) or input.dim() != 4:
+            raise Unsupported(f"the convolution of {self.weights[id(weight)]}: 'same' padding or no batch")
         layer = Convolution(weight, self.weights[id(weight)], (_pair(stride), _pair(padding), _pair(dilation)),
-                            self._token(input), collecting=self.collecting)
+                            self._token(input), collecting=self.collecting, groups=groups)
         return self._ghost(layer, input, "a convolution") + self._bias(bias, 4)
 
     def _bias(self, bias: torch.Tensor | None, dims: int) -> torch.Tensor | float:
@@ -197,16 +199,19 @@ class _Graph:
 
 class GhostKmv:
     """Unscaled K_iu_i = J̃_i(J̃_iᵀu_i) for every sample (module doc), u [B, k, dx] → [B, k, dx]; ``loss_fn`` one
-    sample's loss (z [1, …], y [1, …]). Raises ``Unsupported`` on creation where the forward pass uses a parameter
-    otherwise than the rewritten layers do (checked on one sample unless ``sample_bytes`` is given)."""
+    sample's loss (z [1, …], y [1, …]); ``draws`` the train-mode dropouts' multipliers to replay (batch first).
+    Raises ``Unsupported`` on creation where the forward pass uses a parameter otherwise than the rewritten layers do
+    (checked on one sample unless ``sample_bytes`` is given)."""
 
     def __init__(self, model: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
-                 loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, sample_bytes: int | None = None) -> None:
+                 loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, sample_bytes: int | None = None,
+                 draws: tuple[torch.Tensor, ...] = ()) -> None:
         reason = ghost_support(model)
         if reason is not None:
             raise Unsupported(reason)
         self.model, self.params, self.buffers, self.loss_fn = model, params, buffers, loss_fn
         self.x, self.y = x, y
+        self.draws = tuple(draws)  # the train-mode dropouts' multipliers, batch first (``flguard.risk.dropout_draws``)
         #: the layers whose weight is shared (never expanded per sample): convolutions and fully connected layers
         self.shared_weights = {n: isinstance(m, nn.Linear) for n, m in model.named_modules()
                                if isinstance(m, (nn.Conv2d, nn.Linear))}
@@ -260,8 +265,9 @@ class GhostKmv:
                 per_sample[id(values[name])] = name
         x = self.x[start:stop].detach().requires_grad_(True)
         mode = _PerSampleParameters(rows, weights, dense, per_sample, x)
+        draws = sample_rows(self.draws, slice(start, stop))  # the dropouts replay the rows' own multipliers
         with mode:
-            logits = functional_forward(self.model, (values, self.buffers), x, ())
+            logits = functional_forward(self.model, (values, self.buffers), x, draws)
         loss = _summed_losses(self.loss_fn, logits, self.y[start:stop])
         names = [n for n in self.params if id(values[n]) in per_sample]
         leaves = [values[n] for n in names]
@@ -320,7 +326,7 @@ class GhostKmv:
             for layer in graph.layers:
                 if layer.first is not None:
                     delta, x = (t.detach() for t in layer.first)
-                    weight = torch.bmm(layer.outputs(delta), layer.patches(x).transpose(1, 2))
+                    weight = layer.per_sample_weights(layer.outputs(delta), layer.patches(x))
                     rows[:, columns[layer.name]] = weight.reshape(rows.shape[0], -1)
         return out
 

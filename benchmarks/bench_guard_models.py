@@ -20,7 +20,9 @@ the noise's norm (median and largest over the sent steps), the share of each bat
 
 Models: ``cnn`` (Flower's quickstart CNN), ``dropout_cnn`` (PyTorch's MNIST example) and ``lstm_rows`` (an LSTM over
 the image's rows; ``--train-steps 600`` trains it to about 80%) on ``mnist5k``; ``resnet20_gn`` and ``resnet18_gn``
-(GroupNorm) on ``photos32`` (offline 32×32 colour crops). Results go to benchmarks/results/bench_guard_models.csv.
+(GroupNorm) on ``photos32`` (offline 32×32 colour crops); torchvision's ``mobilenet_v3_small``, ``shufflenet_v2_x0_5``,
+``regnet_x_400mf`` and ``efficientnet_b0`` (depthwise or grouped convolutions) through ``flguard.fix_model`` on
+``photos32``. Results go to benchmarks/results/bench_guard_models.csv.
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ from _common import accuracy, guard_settings, in_child, study_paths, synchronize
 
 DATASETS = {"cnn": "mnist5k", "dropout_cnn": "mnist5k", "lstm_rows": "mnist5k", "resnet20_gn": "photos32",
             "resnet18_gn": "photos32", "resnet8_gn": "photos32"}
+#: torchvision's models with grouped or depthwise convolutions (and dropout, SE blocks), on ``photos32`` through
+#: ``flguard.fix_model`` (BatchNorm → GroupNorm), as a practitioner would bring them
+TORCHVISION = ("mobilenet_v3_small", "shufflenet_v2_x0_5", "regnet_x_400mf", "efficientnet_b0")
 LEARNING_RATE = {"cnn": 0.05, "dropout_cnn": 0.05, "lstm_rows": 0.2, "resnet20_gn": 0.05, "resnet18_gn": 0.05,
-                 "resnet8_gn": 0.05}
+                 "resnet8_gn": 0.05, **{name: 0.003 for name in TORCHVISION}}
 
 
 def _task(name: str, train_steps: int, device: str, seed: int = 0):
@@ -46,11 +51,17 @@ def _task(name: str, train_steps: int, device: str, seed: int = 0):
     from flguard.data import load
     from flguard.models import create
 
-    data = load(DATASETS[name])
+    data = load(DATASETS.get(name, "photos32"))
     train, test = data.split(0.2, seed=seed)
     torch.manual_seed(seed)
     channels, size, _ = data.shape
-    model = create(name, in_channels=channels, num_classes=data.num_classes, image_size=size).to(device)
+    if name in TORCHVISION:  # as a practitioner brings it: torchvision's model, its BatchNorms fixed
+        import torchvision
+        from flguard import fix_model
+
+        model = fix_model(getattr(torchvision.models, name)(num_classes=data.num_classes)).to(device)
+    else:
+        model = create(name, in_channels=channels, num_classes=data.num_classes, image_size=size).to(device)
     x, y = data.normalize(train.images).to(device), train.labels.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE[name], momentum=0.9)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))

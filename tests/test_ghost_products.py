@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from flguard.risk import direct, ghost_products
 from flguard.risk.clipped import ClippedJacobian
-from flguard.risk.ghost_products import GhostKmv, Unsupported, ghost_support
+from flguard.risk.ghost_forward import Unsupported, ghost_support
+from flguard.risk.ghost_products import GhostKmv
 from flguard.risk.operator import JacobianOperator
 from risk_reference import dense_jacobians
 
@@ -74,6 +75,43 @@ def _model() -> nn.Module:
     return Net().double()
 
 
+class _ConvNeXtBlock(nn.Module):
+    """ConvNeXt's block: a depthwise 7×7 convolution, LayerNorm over channels-last features, an inverted fully connected
+    bottleneck on [B, H, W, C], and a layer scale (a parameter of the block itself) on the residual branch."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(width, width, 7, padding=3, groups=width)
+        self.norm = nn.LayerNorm(width)
+        self.expand = nn.Linear(width, 2 * width)
+        self.project = nn.Linear(2 * width, width)
+        self.layer_scale = nn.Parameter(torch.rand(width, 1, 1) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.depthwise(x).permute(0, 2, 3, 1))
+        return x + self.layer_scale * self.project(F.gelu(self.expand(h))).permute(0, 3, 1, 2)
+
+
+def _convnext_model() -> nn.Module:
+    """A patchify stem → ConvNeXt block → tokens with an added position embedding ([1, N, D]) → LayerNorm → mean →
+    Linear, float64: the parameters that enter elementwise beside the activations."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Conv2d(3, 4, 2, stride=2)
+            self.block = _ConvNeXtBlock(4)
+            self.position = nn.Parameter(0.1 * torch.randn(1, 16, 4))
+            self.norm = nn.LayerNorm(4)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            tokens = self.block(self.stem(x)).flatten(2).transpose(1, 2) + self.position
+            return self.head(self.norm(tokens).mean(1))
+    return Net().double()
+
+
 def _batch(batch: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(1)
     x = torch.randn(batch, 3, 8, 9, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
@@ -87,11 +125,15 @@ def _dense_k(model: nn.Module, x: torch.Tensor, y: torch.Tensor, u: torch.Tensor
 
 @pytest.mark.parametrize("gram", [True, False], ids=["Gram matrices", "formed weight"])
 @pytest.mark.parametrize("kept", [True, False], ids=["graphs kept", "rebuilt in chunks of 2"])
-def test_ghost_k_product_matches_the_dense_jacobian(gram, kept, monkeypatch):
+@pytest.mark.parametrize("shape", ["ResNet", "ConvNeXt"])
+def test_ghost_k_product_matches_the_dense_jacobian(gram, kept, shape, monkeypatch):
+    """The K product, the clipping's images, J of a shared vector, the per-sample gradients and the summed Jᵀ against
+    dense float64 Jacobians, on a ResNet-shaped model (grouped and depthwise convolutions among the settings) and a
+    ConvNeXt-shaped one (LayerNorm, a layer scale, a position embedding)."""
     monkeypatch.setattr(ghost_products, "ghost_cheaper", lambda layer: gram)
     if not kept:
         monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)
-    model = _model()
+    model = _model() if shape == "ResNet" else _convnext_model()
     assert ghost_support(model) is None
     x, y = _batch()
     op = JacobianOperator(model, x, y, products="direct")
@@ -272,6 +314,20 @@ class _ScaledNorm(nn.Module):
         return self.head(z.mean((2, 3)))
 
 
+class _RowByRow(nn.Module):
+    """A [2, F] parameter added to a batch of two samples' [2, F] features: row i gets the parameter's row i, so a
+    sample's output depends on its place in the batch — no per-sample view of the parameter is that map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 2, 3)
+        self.rows = nn.Parameter(torch.randn(2, 2 * 6 * 7))
+        self.head = nn.Linear(2 * 6 * 7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.conv(x).flatten(1) + self.rows))
+
+
 @pytest.mark.parametrize("case", ["BatchNorm in eval mode", "a convolution used twice", "a weight used elsewhere",
                                   "'same' padding"])
 def test_models_the_ghost_product_refuses_keep_the_loop(case):
@@ -304,6 +360,26 @@ def test_models_the_ghost_product_refuses_keep_the_loop(case):
             GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
     else:
         assert not op.ghost_products
+
+
+def test_a_parameter_that_meets_the_batch_row_by_row_is_refused():
+    """A parameter entering elementwise beside the activations is taken per sample only where it broadcasts over the
+    batch; one whose rows meet the batch's rows (``_RowByRow``) is refused by the forward pass's check (on one
+    sample, where the rows no longer match), and so is one added to a scalar."""
+    model = _RowByRow().double()
+    assert ghost_support(model) is None
+    x, y = _batch(2)
+    op = JacobianOperator(model, x, y, products="direct")
+    with pytest.raises(Unsupported, match="the parameter rows meets a tensor of its own rank"):
+        GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
+
+    class _Doubled(_RowByRow):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.conv(x).flatten(1) * (2 * self.head.bias).sum()))
+    model = _Doubled().double()
+    op = JacobianOperator(model, x, y, products="direct")
+    with pytest.raises(Unsupported, match="an elementwise product or sum takes the parameter head.bias beside no batch"):
+        GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
 
 
 def test_the_switch_turns_the_loop_back_on(monkeypatch):

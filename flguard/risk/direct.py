@@ -18,7 +18,8 @@ import torch
 from torch.func import grad, jvp, vmap
 
 from flguard.risk.dropout_draws import sample_rows
-from flguard.risk.ghost_products import GhostKmv, Unsupported, ghost_support
+from flguard.risk.ghost_forward import Unsupported, ghost_support
+from flguard.risk.ghost_products import GhostKmv
 from flguard.risk.precision import on_exact_float32
 from flguard.risk.sample_autograd import flatten_into
 

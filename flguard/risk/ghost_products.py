@@ -31,29 +31,29 @@ batches the cached pullbacks would hold ("Ghost products on small models").
 
 Supported: trainable parameters in ``nn.Conv2d`` (numeric padding, any groups — a grouped or depthwise convolution
 always forms its per-sample weight, G times smaller than an ungrouped one's; a padding mode's ``F.pad`` runs before
-the convolution), ``nn.GroupNorm`` and ``nn.Linear``, each weight used once. A model with any other parameterised
-layer, or a forward pass that hands a parameter to any other function (checked on every call of the pass that builds
-the graph), raises ``Unsupported``, and the operator keeps the one-at-a-time products.
+the convolution), ``nn.GroupNorm``, ``nn.LayerNorm`` and ``nn.Linear``, each weight used once, and parameters that
+enter an elementwise product or sum beside the activations, broadcast over the batch (a layer scale, an added position
+embedding: ``flguard.risk.ghost_forward``). A model with any other parameterised PyTorch layer, or a forward pass
+that hands a parameter to any other function (checked on every call of the pass that builds the graph, and on one
+sample first, where a tensor whose first dimension is not the samples' no longer has the batch's rows), raises
+``Unsupported``, and the operator keeps the one-at-a-time products.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.func import vmap
-from torch.nn.modules.utils import _pair
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from flguard.risk.dropout_draws import sample_rows
 from flguard.risk.functional import functional_forward
-from flguard.risk.ghost_convolutions import Convolution, Dense, GhostConv2d, ghost_cheaper, pair_dot
+from flguard.risk.ghost_convolutions import Convolution, ghost_cheaper, pair_dot
+from flguard.risk.ghost_forward import PerSampleParameters, Unsupported, ghost_support
 
 #: The graphs are kept for the step while the whole batch's take at most RETAINED_BYTES (pass 1's saved tensors,
 #: measured on one sample first: a ResNet-18-GN at 32×32 keeps 17 MB a sample, so B = 8 is kept as one graph), else
@@ -66,124 +66,6 @@ CHUNK_BYTES = 2 ** 27
 #: rows cost as much. Measured on the quickstart CNN at one CPU thread: a K product 7.2 ms on one row and 0.52 ms a row
 #: more, its graphs' build 6 ms plus 0.17 a row, 10 parameter tensors and 54 kB per sample.
 FIXED_BYTES_PER_PARAMETER = 2 ** 16
-#: The tensor functions a parameter may pass through outside the rewritten layers: reading its shape or type.
-_METADATA = {"__get__", "dim", "size", "numel", "stride", "is_contiguous", "is_floating_point", "is_complex",
-             "element_size", "__len__", "__hash__", "__eq__"}
-
-
-class Unsupported(Exception):
-    """The model uses a parameter in a way the batched product does not rewrite; the message says where."""
-
-
-def ghost_support(model: nn.Module) -> str | None:
-    """Why the batched product cannot take ``model`` (None: it can, subject to ``GhostKmv``'s check of its forward
-    pass): each trainable parameter must belong to an ``nn.Conv2d`` with numeric padding, an
-    ``nn.GroupNorm`` or an ``nn.Linear``."""
-    for path, module in model.named_modules():
-        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        if not own:
-            continue
-        if isinstance(module, nn.Conv2d) and type(module).forward is nn.Conv2d.forward:
-            if isinstance(module.padding, str):
-                return f"{path or 'the model'}: a 'same'-padded convolution"
-        elif not (isinstance(module, (nn.GroupNorm, nn.Linear)) and type(module).forward in (nn.GroupNorm.forward,
-                                                                                            nn.Linear.forward)):
-            return f"{path or 'the model'}: a {type(module).__name__} with trainable parameters"
-    return None
-
-
-
-class _PerSampleParameters(TorchFunctionMode):
-    """The forward pass with per-sample parameters: 2-D convolutions and fully connected layers through
-    ``GhostConv2d`` (their weights shared), GroupNorm's affine parameters and every bias as batched products; any other
-    function handed a parameter raises ``Unsupported`` (its per-sample view would broadcast wrongly)."""
-
-    def __init__(self, batch: int, weights: dict[int, str], dense: set[int], per_sample: dict[int, str],
-                 model_input: torch.Tensor) -> None:
-        super().__init__()
-        self.batch, self.weights, self.dense, self.per_sample = batch, weights, dense, per_sample
-        self.model_input = model_input
-        self.layers: list[Convolution] = []
-        self.collecting = [False]
-
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.conv2d:
-            return self._conv2d(*args, **kwargs)
-        if func is F.group_norm:
-            return self._group_norm(*args, **kwargs)
-        if func is F.linear:
-            return self._linear(*args, **kwargs)
-        if getattr(func, "__name__", "") not in _METADATA:
-            for t in tree_leaves((args, kwargs)):
-                if isinstance(t, torch.Tensor) and (id(t) in self.weights or id(t) in self.per_sample):
-                    raise Unsupported(f"{getattr(func, '__name__', func)} takes the parameter {self._name(t)}")
-        return func(*args, **kwargs)
-
-    def _name(self, t: torch.Tensor) -> str:
-        return self.per_sample.get(id(t)) or self.weights[id(t)]
-
-    def _batched(self, x: torch.Tensor, where: str) -> None:
-        if x.shape[0] != self.batch:
-            raise Unsupported(f"{where} sees {x.shape[0]} rows where the batch has {self.batch}")
-
-    def _shaped(self, p: torch.Tensor | None, dims: int) -> torch.Tensor | None:
-        """A per-sample parameter [B, C] viewed to broadcast along dim 1 of a ``dims``-dimensional input."""
-        if p is None or id(p) not in self.per_sample:
-            return None if p is None else p.reshape(1, -1, *([1] * (dims - 2)))
-        return p.reshape(self.batch, -1, *([1] * (dims - 2)))
-
-    def _ghost(self, layer: Convolution, input: torch.Tensor, where: str) -> torch.Tensor:
-        """``layer``'s output through ``GhostConv2d``, the layer recorded (each shared weight used once)."""
-        if any(seen.weight is layer.weight for seen in self.layers):
-            raise Unsupported(f"{layer.name} is used by two layers")
-        self._batched(input, where)
-        layer.reads_input = input is self.model_input  # pass 2 then skips its input gradient
-        self.layers.append(layer)
-        return GhostConv2d.apply(input, layer.token, layer)
-
-    def _token(self, input: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((), dtype=input.dtype, device=input.device, requires_grad=True)
-
-    def _conv2d(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: Any = 1,
-                padding: Any = 0, dilation: Any = 1, groups: int = 1) -> torch.Tensor:
-        if id(weight) in self.per_sample or id(weight) in self.dense:
-            raise Unsupported(f"conv2d takes {self._name(weight)} as its weight")
-        if id(weight) not in self.weights:
-            return F.conv2d(input, weight, None, stride, padding, dilation, groups) + self._bias(bias, 4)
-        if isinstance(padding, str) or input.dim() != 4:
-            raise Unsupported(f"the convolution of {self.weights[id(weight)]}: 'same' padding or no batch")
-        layer = Convolution(weight, self.weights[id(weight)], (_pair(stride), _pair(padding), _pair(dilation)),
-                            self._token(input), collecting=self.collecting, groups=groups)
-        return self._ghost(layer, input, "a convolution") + self._bias(bias, 4)
-
-    def _bias(self, bias: torch.Tensor | None, dims: int) -> torch.Tensor | float:
-        shaped = self._shaped(bias, dims)
-        return 0.0 if shaped is None else shaped
-
-    def _group_norm(self, input: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
-                    bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
-        self._batched(input, "a GroupNorm")
-        out = F.group_norm(input, num_groups, None, None, eps)
-        scale = self._shaped(weight, input.dim())
-        return (out if scale is None else out * scale) + self._bias(bias, input.dim())
-
-    def _linear(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if id(weight) in self.dense:
-            layer = Dense(weight, self.weights[id(weight)], (), self._token(input), collecting=self.collecting)
-            out = self._ghost(layer, input, "a Linear layer")
-        elif id(weight) in self.weights or id(weight) in self.per_sample:
-            raise Unsupported(f"linear takes {self._name(weight)} as its weight")
-        else:
-            out = F.linear(input, weight)
-        if bias is None:
-            return out
-        if id(bias) not in self.per_sample:
-            return out + bias
-        self._batched(input, "a Linear layer")
-        return out + bias.reshape(self.batch, *([1] * (input.dim() - 2)), -1)
-
-
 @dataclass(eq=False)
 class _Graph:
     """Pass 1 on some rows of the batch: the input leaf, its gradient with the graph, the per-sample leaves with
@@ -264,7 +146,7 @@ class GhostKmv:
                 values[name] = p.expand(rows, *p.shape).requires_grad_(True)
                 per_sample[id(values[name])] = name
         x = self.x[start:stop].detach().requires_grad_(True)
-        mode = _PerSampleParameters(rows, weights, dense, per_sample, x)
+        mode = PerSampleParameters(rows, weights, dense, per_sample, x)
         draws = sample_rows(self.draws, slice(start, stop))  # the dropouts replay the rows' own multipliers
         with mode:
             logits = functional_forward(self.model, (values, self.buffers), x, draws)

@@ -1,0 +1,174 @@
+"""The forward pass of the batched K product (``flguard.risk.ghost_products``) with per-sample parameters.
+
+Every parameter other than a convolution's or a fully connected layer's weight enters as a per-sample leaf (an expanded
+[B, …] view of it), so that its gradient comes out per sample; 2-D convolutions and fully connected layers run through
+``GhostConv2d`` with their weights shared, recording what pass 3 needs. Any other use of a parameter — by a function
+this mode does not rewrite, or elementwise where a per-sample view would broadcast wrongly — raises ``Unsupported``, and
+the operator keeps its one-at-a-time products.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.utils import _pair
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from flguard.risk.ghost_convolutions import Convolution, Dense, GhostConv2d
+
+
+#: The elementwise products and sums a per-sample parameter may enter beside a batched activation
+#: (``PerSampleParameters._broadcast``): LayerNorm's affine map in plain operators, a layer scale, an added embedding.
+_ELEMENTWISE = {torch.mul, torch.add, torch.sub, torch.Tensor.mul, torch.Tensor.add, torch.Tensor.sub,
+                torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.__add__, torch.Tensor.__radd__,
+                torch.Tensor.__sub__, torch.Tensor.__rsub__}
+#: The tensor functions a parameter may pass through outside the rewritten layers: reading its shape or type.
+_METADATA = {"__get__", "dim", "size", "numel", "stride", "is_contiguous", "is_floating_point", "is_complex",
+             "element_size", "__len__", "__hash__", "__eq__"}
+
+
+class Unsupported(Exception):
+    """The model uses a parameter in a way the batched product does not rewrite; the message says where."""
+
+
+def ghost_support(model: nn.Module) -> str | None:
+    """Why the batched product cannot take ``model`` (None: it can, subject to ``GhostKmv``'s check of its forward
+    pass): each trainable parameter must belong to an ``nn.Conv2d`` with numeric padding, an ``nn.GroupNorm``, an
+    ``nn.LayerNorm`` or an ``nn.Linear`` — or to a module of the user's or a library's own (a layer scale, an
+    embedding added to the activations), which the forward pass's check then judges."""
+    for path, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        if isinstance(module, nn.Conv2d) and type(module).forward is nn.Conv2d.forward:
+            if isinstance(module.padding, str):
+                return f"{path or 'the model'}: a 'same'-padded convolution"
+        elif type(module).__module__.startswith("torch.") and type(module).forward not in _REWRITTEN_FORWARDS:
+            return f"{path or 'the model'}: a {type(module).__name__} with trainable parameters"
+    return None
+
+
+#: PyTorch's layers whose parameters the batched product takes (besides ``nn.Conv2d``).
+_REWRITTEN_FORWARDS = (nn.GroupNorm.forward, nn.LayerNorm.forward, nn.Linear.forward)
+
+
+
+class PerSampleParameters(TorchFunctionMode):
+    """The forward pass with per-sample parameters: 2-D convolutions and fully connected layers through
+    ``GhostConv2d`` (their weights shared), GroupNorm's affine parameters and every bias as batched products; any other
+    function handed a parameter raises ``Unsupported`` (its per-sample view would broadcast wrongly)."""
+
+    def __init__(self, batch: int, weights: dict[int, str], dense: set[int], per_sample: dict[int, str],
+                 model_input: torch.Tensor) -> None:
+        super().__init__()
+        self.batch, self.weights, self.dense, self.per_sample = batch, weights, dense, per_sample
+        self.model_input = model_input
+        self.layers: list[Convolution] = []
+        self.collecting = [False]
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.conv2d:
+            return self._conv2d(*args, **kwargs)
+        if func is F.group_norm:
+            return self._group_norm(*args, **kwargs)
+        if func is F.linear:
+            return self._linear(*args, **kwargs)
+        if func in _ELEMENTWISE and len(args) == 2 and not kwargs:
+            a, b = args
+            if self._leaf(a) or self._leaf(b):
+                return func(self._broadcast(a, b), self._broadcast(b, a))
+        if getattr(func, "__name__", "") not in _METADATA:
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and (id(t) in self.weights or id(t) in self.per_sample):
+                    raise Unsupported(f"{getattr(func, '__name__', func)} takes the parameter {self._name(t)}")
+        return func(*args, **kwargs)
+
+    def _name(self, t: torch.Tensor) -> str:
+        return self.per_sample.get(id(t)) or self.weights[id(t)]
+
+    def _leaf(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and id(t) in self.per_sample
+
+    def _broadcast(self, t: Any, other: Any) -> Any:
+        """A per-sample leaf [B, *shape] viewed to meet ``other`` (a batched activation, [B, …]) as the parameter of
+        ``shape`` met it: its missing leading dimensions as ones after the batch (a LayerNorm's [C] on [B, H, W, C],
+        a layer scale's [C, 1, 1] on [B, C, H, W]), or a leading one as the batch (a [1, N, D] embedding on
+        [B, N, D]). Anything else — a parameter met by a scalar, another parameter or a tensor of other rows — raises
+        ``Unsupported``: there a per-sample view would broadcast wrongly."""
+        if not self._leaf(t):
+            return t
+        shape = t.shape[1:]
+        if not (isinstance(other, torch.Tensor) and other.dim() >= len(shape) and not self._leaf(other)
+                and id(other) not in self.weights):
+            raise Unsupported(f"an elementwise product or sum takes the parameter {self._name(t)} beside no batch")
+        self._batched(other, f"the parameter {self._name(t)}'s elementwise product or sum")
+        if other.dim() > len(shape):
+            return t.reshape(self.batch, *([1] * (other.dim() - 1 - len(shape))), *shape)
+        if shape[0] == 1:
+            return t.reshape(self.batch, *shape[1:])
+        raise Unsupported(f"the parameter {self._name(t)} meets a tensor of its own rank across the batch")
+
+    def _batched(self, x: torch.Tensor, where: str) -> None:
+        if x.shape[0] != self.batch:
+            raise Unsupported(f"{where} sees {x.shape[0]} rows where the batch has {self.batch}")
+
+    def _shaped(self, p: torch.Tensor | None, dims: int) -> torch.Tensor | None:
+        """A per-sample parameter [B, C] viewed to broadcast along dim 1 of a ``dims``-dimensional input."""
+        if p is None or id(p) not in self.per_sample:
+            return None if p is None else p.reshape(1, -1, *([1] * (dims - 2)))
+        return p.reshape(self.batch, -1, *([1] * (dims - 2)))
+
+    def _ghost(self, layer: Convolution, input: torch.Tensor, where: str) -> torch.Tensor:
+        """``layer``'s output through ``GhostConv2d``, the layer recorded (each shared weight used once)."""
+        if any(seen.weight is layer.weight for seen in self.layers):
+            raise Unsupported(f"{layer.name} is used by two layers")
+        self._batched(input, where)
+        layer.reads_input = input is self.model_input  # pass 2 then skips its input gradient
+        self.layers.append(layer)
+        return GhostConv2d.apply(input, layer.token, layer)
+
+    def _token(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), dtype=input.dtype, device=input.device, requires_grad=True)
+
+    def _conv2d(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: Any = 1,
+                padding: Any = 0, dilation: Any = 1, groups: int = 1) -> torch.Tensor:
+        if id(weight) in self.per_sample or id(weight) in self.dense:
+            raise Unsupported(f"conv2d takes {self._name(weight)} as its weight")
+        if id(weight) not in self.weights:
+            return F.conv2d(input, weight, None, stride, padding, dilation, groups) + self._bias(bias, 4)
+        if isinstance(padding, str) or input.dim() != 4:
+            raise Unsupported(f"the convolution of {self.weights[id(weight)]}: 'same' padding or no batch")
+        layer = Convolution(weight, self.weights[id(weight)], (_pair(stride), _pair(padding), _pair(dilation)),
+                            self._token(input), collecting=self.collecting, groups=groups)
+        return self._ghost(layer, input, "a convolution") + self._bias(bias, 4)
+
+    def _bias(self, bias: torch.Tensor | None, dims: int) -> torch.Tensor | float:
+        shaped = self._shaped(bias, dims)
+        return 0.0 if shaped is None else shaped
+
+    def _group_norm(self, input: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+        self._batched(input, "a GroupNorm")
+        out = F.group_norm(input, num_groups, None, None, eps)
+        scale = self._shaped(weight, input.dim())
+        return (out if scale is None else out * scale) + self._bias(bias, input.dim())
+
+    def _linear(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if id(weight) in self.dense:
+            layer = Dense(weight, self.weights[id(weight)], (), self._token(input), collecting=self.collecting)
+            out = self._ghost(layer, input, "a Linear layer")
+        elif id(weight) in self.weights or id(weight) in self.per_sample:
+            raise Unsupported(f"linear takes {self._name(weight)} as its weight")
+        else:
+            out = F.linear(input, weight)
+        if bias is None:
+            return out
+        if id(bias) not in self.per_sample:
+            return out + bias
+        self._batched(input, "a Linear layer")
+        return out + bias.reshape(self.batch, *([1] * (input.dim() - 2)), -1)

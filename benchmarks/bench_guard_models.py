@@ -21,8 +21,9 @@ the noise's norm (median and largest over the sent steps), the share of each bat
 Models: ``cnn`` (Flower's quickstart CNN), ``dropout_cnn`` (PyTorch's MNIST example) and ``lstm_rows`` (an LSTM over
 the image's rows; ``--train-steps 600`` trains it to about 80%) on ``mnist5k``; ``resnet20_gn`` and ``resnet18_gn``
 (GroupNorm) on ``photos32`` (offline 32×32 colour crops); torchvision's ``mobilenet_v3_small``, ``shufflenet_v2_x0_5``,
-``regnet_x_400mf`` and ``efficientnet_b0`` (depthwise or grouped convolutions) through ``flguard.fix_model`` on
-``photos32``. Results go to benchmarks/results/bench_guard_models.csv.
+``regnet_x_400mf``, ``efficientnet_b0`` and ``convnext_tiny`` (depthwise or grouped convolutions; LayerNorm and layer
+scales in ConvNeXt) through ``flguard.fix_model`` on ``photos32``. Results go to
+benchmarks/results/bench_guard_models.csv.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ DATASETS = {"cnn": "mnist5k", "dropout_cnn": "mnist5k", "lstm_rows": "mnist5k", 
             "resnet18_gn": "photos32", "resnet8_gn": "photos32"}
 #: torchvision's models with grouped or depthwise convolutions (and dropout, SE blocks), on ``photos32`` through
 #: ``flguard.fix_model`` (BatchNorm → GroupNorm), as a practitioner would bring them
-TORCHVISION = ("mobilenet_v3_small", "shufflenet_v2_x0_5", "regnet_x_400mf", "efficientnet_b0")
+TORCHVISION = ("mobilenet_v3_small", "shufflenet_v2_x0_5", "regnet_x_400mf", "efficientnet_b0", "convnext_tiny")
 LEARNING_RATE = {"cnn": 0.05, "dropout_cnn": 0.05, "lstm_rows": 0.2, "resnet20_gn": 0.05, "resnet18_gn": 0.05,
                  "resnet8_gn": 0.05, **{name: 0.003 for name in TORCHVISION}}
 

@@ -1,7 +1,8 @@
 """The batched K product with ghost per-sample weight gradients (``flguard.risk.ghost_products``) against dense float64
-Jacobians: a channels-last 3-channel GroupNorm ResNet-shaped model with every convolution setting the rewrite handles,
-both ways of taking a convolution's inner product (Gram matrices, formed weight), graphs kept or rebuilt in chunks;
-and the models it refuses, whose products stay the one-at-a-time loop's."""
+Jacobians: a channels-last 3-channel GroupNorm ResNet-shaped model with every convolution setting the rewrite handles
+(grouped and depthwise included) and a ConvNeXt-shaped one (LayerNorm, a layer scale, a position embedding), both ways
+of taking a convolution's inner product (Gram matrices, formed weight), graphs kept or rebuilt in chunks; torchvision's
+MobileNetV3 and ConvNeXt against the one-sample loop; and the models it refuses, whose products stay the loop's."""
 
 from __future__ import annotations
 
@@ -426,3 +427,27 @@ def test_a_batch_sliced_from_a_dataset_is_measured_by_its_own_extent():
     sliced = GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
     copied = GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x.clone(), op.y)
     assert sliced._measure() == copied._measure() < dataset.untyped_storage().nbytes() / 10
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v3_small", "convnext_tiny"])
+def test_torchvisions_mobile_and_modern_networks_take_the_batched_products(name):
+    """torchvision's MobileNetV3 (depthwise convolutions, squeeze-and-excitation, Hardswish, dropout) and ConvNeXt
+    (depthwise 7×7, LayerNorm2d, layer scales, stochastic depth) through ``fix_model`` take the ghost products on the
+    guard's CPU path — their dropout and drop-path masks replayed — and give the one-sample loop's K product and
+    per-sample gradients on the same masks, in float64."""
+    torchvision = pytest.importorskip("torchvision")
+    from flguard import fix_model
+
+    torch.manual_seed(0)
+    model = fix_model(getattr(torchvision.models, name)(num_classes=3)).double().train()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    y = torch.tensor([0, 2])
+    ghost = JacobianOperator(model, x, y, products="ghost")
+    assert ghost._ghost is not None and ghost.draws
+    loop = JacobianOperator(model, x, y, products="direct", draws=ghost.draws)
+    loop.sample_chunk = 1
+    loop.ghost_refused = "the reference: one sample at a time"
+    u = torch.randn(2, 1, ghost.dx, dtype=torch.float64)
+    torch.testing.assert_close(ghost.kmv(u), loop.kmv(u), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(ghost.per_sample_gradients(), loop.per_sample_gradients(), rtol=1e-9, atol=1e-12)
+    assert getattr(loop, "_ghost", None) is None

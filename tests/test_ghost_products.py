@@ -366,7 +366,7 @@ def test_models_the_ghost_product_refuses_keep_the_loop(case):
 def test_a_parameter_that_meets_the_batch_row_by_row_is_refused():
     """A parameter entering elementwise beside the activations is taken per sample only where it broadcasts over the
     batch; one whose rows meet the batch's rows (``_RowByRow``) is refused by the forward pass's check (on one
-    sample, where the rows no longer match), and so is one added to a scalar."""
+    sample, where the rows no longer match), and so is one added to a scalar or read through a tensor attribute."""
     model = _RowByRow().double()
     assert ghost_support(model) is None
     x, y = _batch(2)
@@ -380,6 +380,15 @@ def test_a_parameter_that_meets_the_batch_row_by_row_is_refused():
     model = _Doubled().double()
     op = JacobianOperator(model, x, y, products="direct")
     with pytest.raises(Unsupported, match="an elementwise product or sum takes the parameter head.bias beside no batch"):
+        GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
+
+    class _Transposed(_RowByRow):  # the parameter's transpose: an attribute of its per-sample view would be wrong
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.conv(x).flatten(1) @ self.rows.T))
+    model = _Transposed().double()
+    model.head = nn.Linear(2, 3).double()
+    op = JacobianOperator(model, x, y, products="direct")
+    with pytest.raises(Unsupported, match="a tensor attribute or comparison of the parameter rows"):
         GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
 
 

@@ -26,7 +26,8 @@ from flguard.risk.ghost_convolutions import Convolution, Dense, GhostConv2d
 _ELEMENTWISE = {torch.mul, torch.add, torch.sub, torch.Tensor.mul, torch.Tensor.add, torch.Tensor.sub,
                 torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.__add__, torch.Tensor.__radd__,
                 torch.Tensor.__sub__, torch.Tensor.__rsub__}
-#: The tensor functions a parameter may pass through outside the rewritten layers: reading its shape or type.
+#: The tensor functions a parameter may pass through outside the rewritten layers: reading its shape or type (an
+#: attribute that is a tensor — ``.T``, ``.data`` — or a comparison's result is refused: ``PerSampleParameters``).
 _METADATA = {"__get__", "dim", "size", "numel", "stride", "is_contiguous", "is_floating_point", "is_complex",
              "element_size", "__len__", "__hash__", "__eq__"}
 
@@ -82,11 +83,14 @@ class PerSampleParameters(TorchFunctionMode):
             a, b = args
             if self._leaf(a) or self._leaf(b):
                 return func(self._broadcast(a, b), self._broadcast(b, a))
-        if getattr(func, "__name__", "") not in _METADATA:
-            for t in tree_leaves((args, kwargs)):
-                if isinstance(t, torch.Tensor) and (id(t) in self.weights or id(t) in self.per_sample):
-                    raise Unsupported(f"{getattr(func, '__name__', func)} takes the parameter {self._name(t)}")
-        return func(*args, **kwargs)
+        tracked = [t for t in tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor) and (id(t) in self.weights or id(t) in self.per_sample)]
+        if tracked and getattr(func, "__name__", "") not in _METADATA:
+            raise Unsupported(f"{getattr(func, '__name__', func)} takes the parameter {self._name(tracked[0])}")
+        result = func(*args, **kwargs)
+        if tracked and isinstance(result, torch.Tensor):  # ``.T``, ``.data``, a comparison: a per-sample view reshaped
+            raise Unsupported(f"a tensor attribute or comparison of the parameter {self._name(tracked[0])}")
+        return result
 
     def _name(self, t: torch.Tensor) -> str:
         return self.per_sample.get(id(t)) or self.weights[id(t)]

@@ -38,11 +38,11 @@ import torch.nn.functional as F
 
 from _common import accuracy, guard_settings, in_child, study_paths, synchronize, write_table
 
-DATASETS = {"cnn": "mnist5k", "dropout_cnn": "mnist5k", "lstm_rows": "mnist5k", "resnet20_gn": "photos32",
-            "resnet18_gn": "photos32", "resnet8_gn": "photos32"}
 #: torchvision's models with grouped or depthwise convolutions (and dropout, SE blocks), on ``photos32`` through
 #: ``flguard.fix_model`` (BatchNorm → GroupNorm), as a practitioner would bring them
 TORCHVISION = ("mobilenet_v3_small", "shufflenet_v2_x0_5", "regnet_x_400mf", "efficientnet_b0", "convnext_tiny")
+DATASETS = {"cnn": "mnist5k", "dropout_cnn": "mnist5k", "lstm_rows": "mnist5k", "resnet20_gn": "photos32",
+            "resnet18_gn": "photos32", "resnet8_gn": "photos32", **{name: "photos32" for name in TORCHVISION}}
 LEARNING_RATE = {"cnn": 0.05, "dropout_cnn": 0.05, "lstm_rows": 0.2, "resnet20_gn": 0.05, "resnet18_gn": 0.05,
                  "resnet8_gn": 0.05, **{name: 0.003 for name in TORCHVISION}}
 
@@ -52,7 +52,7 @@ def _task(name: str, train_steps: int, device: str, seed: int = 0):
     from flguard.data import load
     from flguard.models import create
 
-    data = load(DATASETS.get(name, "photos32"))
+    data = load(DATASETS[name])
     train, test = data.split(0.2, seed=seed)
     torch.manual_seed(seed)
     channels, size, _ = data.shape

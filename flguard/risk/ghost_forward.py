@@ -57,7 +57,6 @@ def ghost_support(model: nn.Module) -> str | None:
 _REWRITTEN_FORWARDS = (nn.GroupNorm.forward, nn.LayerNorm.forward, nn.Linear.forward)
 
 
-
 class PerSampleParameters(TorchFunctionMode):
     """The forward pass with per-sample parameters: 2-D convolutions and fully connected layers through
     ``GhostConv2d`` (their weights shared), GroupNorm's affine parameters and every bias as batched products; any other

@@ -1,8 +1,9 @@
 """The batched K product with ghost per-sample weight gradients (``flguard.risk.ghost_products``) against dense float64
 Jacobians: a channels-last 3-channel GroupNorm ResNet-shaped model with every convolution setting the rewrite handles
 (grouped and depthwise included) and a ConvNeXt-shaped one (LayerNorm, a layer scale, a position embedding), both ways
-of taking a convolution's inner product (Gram matrices, formed weight), graphs kept or rebuilt in chunks; torchvision's
-MobileNetV3 and ConvNeXt against the one-sample loop; and the models it refuses, whose products stay the loop's."""
+of taking a convolution's inner product (Gram matrices, formed weight), graphs kept or rebuilt in chunks, and a
+ViT-shaped one (a class token, self-attention batch first and sequence first); torchvision's MobileNetV3, ConvNeXt and
+VisionTransformer against the one-sample loop; and the models it refuses, whose products stay the loop's."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flguard.risk import direct, ghost_products
 from flguard.risk.clipped import ClippedJacobian
@@ -113,28 +115,68 @@ def _convnext_model() -> nn.Module:
     return Net().double()
 
 
+class _ViT(nn.Module):
+    """A vision transformer as torchvision writes one: 2×2 patches by a strided convolution, a class token [1, 1, D]
+    expanded to the batch and put first, a position embedding, a pre-norm block — ``nn.MultiheadAttention`` in
+    self-attention (batch first, or sequence first: tokens [L, N, D]) and a GELU MLP over the tokens — a final
+    LayerNorm and a head on the class token."""
+
+    def __init__(self, batch_first: bool = True, width: int = 4) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.patches = nn.Conv2d(3, width, 2, stride=2)
+        self.class_token = nn.Parameter(0.1 * torch.randn(1, 1, width))
+        self.position = nn.Parameter(0.1 * torch.randn(1, 17, width))
+        self.norm1, self.norm2, self.norm = nn.LayerNorm(width), nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, 2, batch_first=batch_first)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.patches(x).flatten(2).transpose(1, 2)
+        tokens = torch.cat([self.class_token.expand(x.shape[0], -1, -1), tokens], dim=1) + self.position
+        h = self.norm1(tokens) if self.batch_first else self.norm1(tokens).transpose(0, 1)
+        attended = self.attention(h, h, h, need_weights=False)[0]
+        tokens = tokens + (attended if self.batch_first else attended.transpose(0, 1))
+        tokens = tokens + self.mlp(self.norm2(tokens))
+        return self.head(self.norm(tokens)[:, 0])
+
+
+def _vit_model(batch_first: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    return _ViT(batch_first).double()
+
+
 def _batch(batch: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(1)
     x = torch.randn(batch, 3, 8, 9, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
     return x, torch.arange(batch) % 3
 
 
+def _dense_jacobians(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[B, dx, dθ] of the batch loss, attention on PyTorch's "math" kernel (its flash kernel has no double backward)."""
+    with sdpa_kernel(SDPBackend.MATH):
+        return dense_jacobians(model, x, y)[0]
+
+
 def _dense_k(model: nn.Module, x: torch.Tensor, y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    jac, _ = dense_jacobians(model, x, y)  # [B, dx, dθ] of the batch loss
+    jac = _dense_jacobians(model, x, y)
     return torch.einsum("bap,bkp->bka", jac, torch.einsum("bap,bka->bkp", jac, u))
 
 
 @pytest.mark.parametrize("gram", [True, False], ids=["Gram matrices", "formed weight"])
 @pytest.mark.parametrize("kept", [True, False], ids=["graphs kept", "rebuilt in chunks of 2"])
-@pytest.mark.parametrize("shape", ["ResNet", "ConvNeXt"])
+@pytest.mark.parametrize("shape", ["ResNet", "ConvNeXt", "ViT", "ViT sequence first"])
 def test_ghost_k_product_matches_the_dense_jacobian(gram, kept, shape, monkeypatch):
     """The K product, the clipping's images, J of a shared vector, the per-sample gradients and the summed Jᵀ against
-    dense float64 Jacobians, on a ResNet-shaped model (grouped and depthwise convolutions among the settings) and a
-    ConvNeXt-shaped one (LayerNorm, a layer scale, a position embedding)."""
+    dense float64 Jacobians, on a ResNet-shaped model (grouped and depthwise convolutions among the settings), a
+    ConvNeXt-shaped one (LayerNorm, a layer scale, a position embedding) and a ViT-shaped one (a class token,
+    ``nn.MultiheadAttention`` batch first and sequence first)."""
     monkeypatch.setattr(ghost_products, "ghost_cheaper", lambda layer: gram)
     if not kept:
         monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)
-    model = _model() if shape == "ResNet" else _convnext_model()
+    model = {"ResNet": _model, "ConvNeXt": _convnext_model, "ViT": _vit_model,
+             "ViT sequence first": lambda: _vit_model(batch_first=False)}[shape]()
     assert ghost_support(model) is None
     x, y = _batch()
     op = JacobianOperator(model, x, y, products="direct")
@@ -147,8 +189,7 @@ def test_ghost_k_product_matches_the_dense_jacobian(gram, kept, shape, monkeypat
     want = _dense_k(model, x, y, u)
     for _ in range(2):  # the second product on the same (kept or rebuilt) graphs
         torch.testing.assert_close(op.scale ** 2 * ghost(u), want, rtol=1e-9, atol=1e-12)
-    jac, _ = dense_jacobians(model, x, y)
-    unscaled = jac / op.scale
+    unscaled = _dense_jacobians(model, x, y) / op.scale
     torch.testing.assert_close(ghost.gradient_images(),
                                torch.einsum("bap,bp->ba", unscaled, op.per_sample_gradients()), rtol=1e-9, atol=1e-12)
     v = torch.randn(op.dtheta, dtype=torch.float64)
@@ -329,8 +370,24 @@ class _RowByRow(nn.Module):
         return self.head(torch.tanh(self.conv(x).flatten(1) + self.rows))
 
 
+class _CrossAttention(nn.Module):
+    """Attention whose keys and values are not its queries: the packed input projection is split by weight, three
+    uses of one weight, which the batched product does not take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = nn.Conv2d(3, 4, 2, stride=2)
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.patches(x).flatten(2).transpose(1, 2)
+        context = torch.tanh(tokens)
+        return self.head(self.attention(tokens, context, context, need_weights=False)[0].mean(1))
+
+
 @pytest.mark.parametrize("case", ["BatchNorm in eval mode", "a convolution used twice", "a weight used elsewhere",
-                                  "'same' padding"])
+                                  "'same' padding", "cross-attention"])
 def test_models_the_ghost_product_refuses_keep_the_loop(case):
     torch.manual_seed(0)
     if case == "BatchNorm in eval mode":
@@ -343,7 +400,9 @@ def test_models_the_ghost_product_refuses_keep_the_loop(case):
         model(torch.randn(2, 3, 8, 9))
         static = "1: a 'same'-padded convolution"
     else:
-        model, static = (_TwiceUsed() if case == "a convolution used twice" else _ScaledNorm()), None
+        model = {"a convolution used twice": _TwiceUsed, "a weight used elsewhere": _ScaledNorm,
+                 "cross-attention": _CrossAttention}[case]()
+        static = None
     model = model.double()
     assert ghost_support(model) == static
     x, y = _batch(2)
@@ -354,8 +413,9 @@ def test_models_the_ghost_product_refuses_keep_the_loop(case):
     assert getattr(op, "_ghost", None) is None
     if static is None:  # refused by the forward pass's check, and said why
         assert op.ghost_products
-        expected = ("conv.weight is used by two layers" if case.startswith("a conv")
-                    else "takes the parameter norm")
+        expected = {"a convolution used twice": "conv.weight is used by two layers",
+                    "a weight used elsewhere": "takes the parameter norm",
+                    "cross-attention": "chunk takes the parameter attention.in_proj_weight"}[case]
         assert expected in op.ghost_refused
         with pytest.raises(Unsupported, match=expected.split(" is")[0]):
             GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
@@ -438,17 +498,23 @@ def test_a_batch_sliced_from_a_dataset_is_measured_by_its_own_extent():
     assert sliced._measure() == copied._measure() < dataset.untyped_storage().nbytes() / 10
 
 
-@pytest.mark.parametrize("name", ["mobilenet_v3_small", "convnext_tiny"])
+@pytest.mark.parametrize("name", ["mobilenet_v3_small", "convnext_tiny", "vision_transformer"])
 def test_torchvisions_mobile_and_modern_networks_take_the_batched_products(name):
-    """torchvision's MobileNetV3 (depthwise convolutions, squeeze-and-excitation, Hardswish, dropout) and ConvNeXt
-    (depthwise 7×7, LayerNorm2d, layer scales, stochastic depth) through ``fix_model`` take the ghost products on the
-    guard's CPU path — their dropout and drop-path masks replayed — and give the one-sample loop's K product and
-    per-sample gradients on the same masks, in float64."""
+    """torchvision's MobileNetV3 (depthwise convolutions, squeeze-and-excitation, Hardswish, dropout), ConvNeXt
+    (depthwise 7×7, LayerNorm2d, layer scales, stochastic depth) and VisionTransformer (a class token,
+    ``nn.MultiheadAttention``, its dropouts) through ``fix_model`` take the ghost products on the guard's CPU path —
+    their dropout and drop-path masks replayed — and give the one-sample loop's K product and per-sample gradients on
+    the same masks, in float64."""
     torchvision = pytest.importorskip("torchvision")
     from flguard import fix_model
 
     torch.manual_seed(0)
-    model = fix_model(getattr(torchvision.models, name)(num_classes=3)).double().train()
+    if name == "vision_transformer":  # a small one on 32×32 images: 16 patches of 8×8, dropout in its blocks
+        model = torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
+                                                     hidden_dim=16, mlp_dim=32, dropout=0.1, num_classes=3)
+    else:
+        model = getattr(torchvision.models, name)(num_classes=3)
+    model = fix_model(model).double().train()
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     y = torch.tensor([0, 2])
     ghost = JacobianOperator(model, x, y, products="ghost")

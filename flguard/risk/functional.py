@@ -142,7 +142,9 @@ def _multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           average_attn_weights: bool = True, is_causal: bool = False, *,
                           drop: AttentionDropout | None = None) -> tuple | None:
     """``F.multi_head_attention_forward`` on batched (L, N, E) inputs with ``_softmax`` (module doc), the attention
-    weights dropped by ``drop`` while training (as PyTorch drops them: after the softmax, the weights returned too);
+    weights dropped by ``drop`` while training (as PyTorch drops them: after the softmax, the weights returned too).
+    The projections run batch first, self-attention's as one product with the packed weight (the batched K product's
+    fully connected layers: ``flguard.risk.ghost_forward``);
     None (PyTorch's own) for what ``nn.MultiheadAttention`` seldom uses: dropout while training without ``drop``,
     bias_k/bias_v, zero attention, static keys, or a causal hint without its mask."""
     dropped = dropout_p > 0 and training
@@ -150,13 +152,17 @@ def _multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
             or static_k is not None or static_v is not None or (is_causal and attn_mask is None)):
         return None
     (length, batch, embed), source, heads = query.shape, key.shape[0], num_heads
-    if use_separate_proj_weight:
-        weights = (q_proj_weight, k_proj_weight, v_proj_weight)
+    if not use_separate_proj_weight and query is key and key is value:  # self-attention: one packed projection
+        packed = F.linear(query.transpose(0, 1), in_proj_weight, in_proj_bias)  # (N, L, 3E), batch first
+        q, k, v = (t.reshape(batch, length, heads, embed // heads).transpose(1, 2) for t in packed.chunk(3, -1))
     else:
-        weights = in_proj_weight.chunk(3)
-    biases = in_proj_bias.chunk(3) if in_proj_bias is not None else (None, None, None)
-    q, k, v = (F.linear(t, w, b).reshape(t.shape[0], batch, heads, embed // heads).permute(1, 2, 0, 3)
-               for t, w, b in zip((query, key, value), weights, biases))
+        if use_separate_proj_weight:
+            weights = (q_proj_weight, k_proj_weight, v_proj_weight)
+        else:
+            weights = in_proj_weight.chunk(3)
+        biases = in_proj_bias.chunk(3) if in_proj_bias is not None else (None, None, None)
+        q, k, v = (F.linear(t, w, b).reshape(t.shape[0], batch, heads, embed // heads).permute(1, 2, 0, 3)
+                   for t, w, b in zip((query, key, value), weights, biases))
     scores = q @ k.transpose(-2, -1) * (embed // heads) ** -0.5  # (N, H, L, S)
     if attn_mask is not None:
         mask = _additive(attn_mask, scores)
@@ -165,8 +171,8 @@ def _multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
         scores = scores + _additive(key_padding_mask, scores).view(batch, 1, 1, source)
     attention = _softmax(scores, -1)
     attention = drop(attention, dropout_p) if dropped else attention
-    out = (attention @ v).permute(2, 0, 1, 3).reshape(length, batch, embed)
-    out = F.linear(out, out_proj_weight, out_proj_bias)
+    out = (attention @ v).transpose(1, 2).reshape(batch, length, embed)
+    out = F.linear(out, out_proj_weight, out_proj_bias).transpose(0, 1)  # (L, N, E)
     if not need_weights:
         return out, None
     return out, attention.mean(1) if average_attn_weights else attention

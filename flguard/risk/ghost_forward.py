@@ -39,7 +39,7 @@ class Unsupported(Exception):
 def ghost_support(model: nn.Module) -> str | None:
     """Why the batched product cannot take ``model`` (None: it can, subject to ``GhostKmv``'s check of its forward
     pass): each trainable parameter must belong to an ``nn.Conv2d`` with numeric padding, an ``nn.GroupNorm``, an
-    ``nn.LayerNorm`` or an ``nn.Linear`` — or to a module of the user's or a library's own (a layer scale, an
+    ``nn.LayerNorm``, an ``nn.Linear`` or an ``nn.MultiheadAttention`` — or to a module of the user's or a library's own (a layer scale, an
     embedding added to the activations), which the forward pass's check then judges."""
     for path, module in model.named_modules():
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
@@ -53,8 +53,12 @@ def ghost_support(model: nn.Module) -> str | None:
     return None
 
 
-#: PyTorch's layers whose parameters the batched product takes (besides ``nn.Conv2d``).
-_REWRITTEN_FORWARDS = (nn.GroupNorm.forward, nn.LayerNorm.forward, nn.Linear.forward)
+#: PyTorch's layers whose parameters the batched product takes (besides ``nn.Conv2d``): attention's in self-attention
+#: with one packed input projection (``flguard.risk.functional``'s plain-operator attention; anything else that
+#: attention hands a parameter to is refused by the forward pass's check).
+_REWRITTEN_FORWARDS = (nn.GroupNorm.forward, nn.LayerNorm.forward, nn.Linear.forward, nn.MultiheadAttention.forward)
+#: Expanding a parameter with a leading one to the batch (a class token [1, 1, D] to [B, 1, D]): ``_expanded``.
+_EXPAND = {torch.Tensor.expand}
 
 
 class PerSampleParameters(TorchFunctionMode):
@@ -78,6 +82,8 @@ class PerSampleParameters(TorchFunctionMode):
             return self._group_norm(*args, **kwargs)
         if func is F.linear:
             return self._linear(*args, **kwargs)
+        if func in _EXPAND and self._leaf(args[0]):
+            return self._expanded(args[0], *args[1:], **kwargs)
         if func in _ELEMENTWISE and len(args) == 2 and not kwargs:
             a, b = args
             if self._leaf(a) or self._leaf(b):
@@ -115,6 +121,17 @@ class PerSampleParameters(TorchFunctionMode):
         if shape[0] == 1:
             return t.reshape(self.batch, *shape[1:])
         raise Unsupported(f"the parameter {self._name(t)} meets a tensor of its own rank across the batch")
+
+    def _expanded(self, t: torch.Tensor, *sizes: Any, **kwargs: Any) -> torch.Tensor:
+        """A per-sample leaf [B, 1, …] of a parameter with a leading one, expanded as the parameter was: to the batch
+        along dimension 0 (a class token's ``expand(n, -1, -1)``), each sample its own copy. Any other expansion raises
+        ``Unsupported``."""
+        size = tuple(sizes[0]) if len(sizes) == 1 and not isinstance(sizes[0], int) else sizes
+        shape = t.shape[1:]
+        if kwargs or len(size) != len(shape) or shape[0] != 1 or size[0] != self.batch:
+            raise Unsupported(f"the parameter {self._name(t)} is expanded otherwise than along a leading one to the "
+                              "batch")
+        return t.reshape(self.batch, *shape[1:]).expand(self.batch, *size[1:])
 
     def _batched(self, x: torch.Tensor, where: str) -> None:
         if x.shape[0] != self.batch:

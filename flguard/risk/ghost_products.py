@@ -94,9 +94,9 @@ class GhostKmv:
         self.model, self.params, self.buffers, self.loss_fn = model, params, buffers, loss_fn
         self.x, self.y = x, y
         self.draws = tuple(draws)  # the train-mode dropouts' multipliers, batch first (``flguard.risk.dropout_draws``)
-        #: the layers whose weight is shared (never expanded per sample): convolutions and fully connected layers
-        self.shared_weights = {n: isinstance(m, nn.Linear) for n, m in model.named_modules()
-                               if isinstance(m, (nn.Conv2d, nn.Linear))}
+        #: the weights that stay shared (never expanded per sample), by parameter name, True for a fully connected
+        #: layer's: convolutions', fully connected layers' and attention's packed input projection
+        self.shared_weights = shared_weights(model)
         #: pass 1's bytes per sample: ``sample_bytes`` where a GhostKmv of the same model and input shape measured
         #: them (and checked its forward pass: a restricted copy's), else measured on one sample here — or at an
         #: earlier step (``_MEASURED``) where the batch's graphs are then kept: building them checks the pass as well
@@ -136,11 +136,10 @@ class GhostKmv:
         rows = stop - start
         weights, dense, per_sample, values = {}, set(), {}, {}
         for name, p in self.params.items():
-            module, _, kind = name.rpartition(".")
-            if module in self.shared_weights and kind == "weight":
+            if name in self.shared_weights:
                 values[name] = p
                 weights[id(p)] = name
-                if self.shared_weights[module]:
+                if self.shared_weights[name]:
                     dense.add(id(p))
             else:
                 values[name] = p.expand(rows, *p.shape).requires_grad_(True)
@@ -266,6 +265,19 @@ class GhostKmv:
             return graph.x.new_zeros(graph.x.shape[0], graph.x[0].numel())
         (result,) = torch.autograd.grad(total, graph.x, retain_graph=keep, allow_unused=True, materialize_grads=True)
         return result.reshape(graph.x.shape[0], -1)
+
+
+def shared_weights(model: nn.Module) -> dict[str, bool]:
+    """The parameters the batched product keeps shared, by name: each ``nn.Conv2d``'s weight (False), each
+    ``nn.Linear``'s and each ``nn.MultiheadAttention``'s packed input projection (True: fully connected)."""
+    shared = {}
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        if isinstance(module, (nn.Conv2d, nn.Linear)):
+            shared[prefix + "weight"] = isinstance(module, nn.Linear)
+        elif isinstance(module, nn.MultiheadAttention) and module.in_proj_weight is not None:
+            shared[prefix + "in_proj_weight"] = True
+    return shared
 
 
 #: pass 1's bytes per sample by model and ``_measure_key``: a guard builds a new operator at every step, on the same

@@ -22,7 +22,8 @@ Models: ``cnn`` (Flower's quickstart CNN), ``dropout_cnn`` (PyTorch's MNIST exam
 the image's rows; ``--train-steps 600`` trains it to about 80%) on ``mnist5k``; ``resnet20_gn`` and ``resnet18_gn``
 (GroupNorm) on ``photos32`` (offline 32×32 colour crops); torchvision's ``mobilenet_v3_small``, ``shufflenet_v2_x0_5``,
 ``regnet_x_400mf``, ``efficientnet_b0`` and ``convnext_tiny`` (depthwise or grouped convolutions; LayerNorm and layer
-scales in ConvNeXt) through ``flguard.fix_model`` on ``photos32``. Results go to
+scales in ConvNeXt) and ``vit_tiny32`` (torchvision's VisionTransformer for 32×32 images, ``TORCHVISION_ARGS``) through
+``flguard.fix_model`` on ``photos32``. Results go to
 benchmarks/results/bench_guard_models.csv.
 """
 
@@ -40,7 +41,12 @@ from _common import accuracy, guard_settings, in_child, study_paths, synchronize
 
 #: torchvision's models with grouped or depthwise convolutions (and dropout, SE blocks), on ``photos32`` through
 #: ``flguard.fix_model`` (BatchNorm → GroupNorm), as a practitioner would bring them
-TORCHVISION = ("mobilenet_v3_small", "shufflenet_v2_x0_5", "regnet_x_400mf", "efficientnet_b0", "convnext_tiny")
+TORCHVISION = ("mobilenet_v3_small", "shufflenet_v2_x0_5", "regnet_x_400mf", "efficientnet_b0", "convnext_tiny",
+               "vit_tiny32")
+#: torchvision models built with arguments of their own: a ViT for 32×32 images (4×4 patches, 64 tokens and a class
+#: token; DeiT-tiny's width, heads and MLP, six blocks instead of twelve)
+TORCHVISION_ARGS = {"vit_tiny32": ("VisionTransformer", dict(image_size=32, patch_size=4, num_layers=6, num_heads=3,
+                                                             hidden_dim=192, mlp_dim=768))}
 DATASETS = {"cnn": "mnist5k", "dropout_cnn": "mnist5k", "lstm_rows": "mnist5k", "resnet20_gn": "photos32",
             "resnet18_gn": "photos32", "resnet8_gn": "photos32", **{name: "photos32" for name in TORCHVISION}}
 LEARNING_RATE = {"cnn": 0.05, "dropout_cnn": 0.05, "lstm_rows": 0.2, "resnet20_gn": 0.05, "resnet18_gn": 0.05,
@@ -60,7 +66,8 @@ def _task(name: str, train_steps: int, device: str, seed: int = 0):
         import torchvision
         from flguard import fix_model
 
-        model = fix_model(getattr(torchvision.models, name)(num_classes=data.num_classes)).to(device)
+        builder, kwargs = TORCHVISION_ARGS.get(name, (name, {}))
+        model = fix_model(getattr(torchvision.models, builder)(num_classes=data.num_classes, **kwargs)).to(device)
     else:
         model = create(name, in_channels=channels, num_classes=data.num_classes, image_size=size).to(device)
     x, y = data.normalize(train.images).to(device), train.labels.to(device)

@@ -293,6 +293,35 @@ def test_products_ghost_keeps_the_cached_path_where_the_graphs_would_be_rebuilt(
     assert not op.direct and getattr(op, "_ghost", None) is None
 
 
+@pytest.mark.parametrize("kept", [True, False], ids=["graphs kept", "graphs rebuilt"])
+def test_products_ghost_replaces_the_direct_paths_vmapped_chunks(kept, monkeypatch):
+    """A batch the cached pullbacks would not hold, whose direct path would run vmapped chunks of several samples (a
+    mid-size model: EfficientNet-B0 or a small ViT at B = 32) takes the ghost products under ``products="ghost"``, its
+    graphs kept or rebuilt in chunks; the K product and the clipping's images against the dense blocks. A model whose
+    forward pass refuses them keeps its chunks."""
+    from flguard.risk import sizing
+
+    if not kept:
+        monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)
+    model = _vit_model()
+    x, y = _batch(4)
+    dtheta = sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr(sizing, "CACHED_UP_TO", 4 * dtheta - 1)  # the batch's pullbacks do not fit; 3 samples would
+    assert JacobianOperator(model, x, y, products="auto").sample_chunk == 3  # the direct path's vmapped chunks
+    op = JacobianOperator(model, x, y, products="ghost")
+    assert op.direct and op.one_at_a_time and op._ghost is not None and op._ghost.retained == kept
+    u = torch.randn(4, 2, op.dx, dtype=torch.float64)
+    torch.testing.assert_close(op.kmv(u), _dense_k(model, x, y, u), rtol=1e-9, atol=1e-12)
+    jac = _dense_jacobians(model, x, y)
+    torch.testing.assert_close(op.gradient_images(), torch.einsum("bap,bp->ba", jac, op.per_sample_gradients()),
+                               rtol=1e-9, atol=1e-12)
+    twice = _TwiceUsed().double()
+    monkeypatch.setattr(sizing, "CACHED_UP_TO", 4 * sum(p.numel() for p in twice.parameters()) - 1)
+    refused = JacobianOperator(twice, x, y, products="ghost")
+    assert refused.direct and refused.sample_chunk == 3 and getattr(refused, "_ghost", None) is None
+    assert "used by two layers" in refused.ghost_refused
+
+
 @pytest.mark.parametrize("channels", [3, 16], ids=["col2im backward", "slices backward"])
 def test_patches_equal_unfold_and_its_gradient(channels):
     """``_Patches`` (a strided view copied, its backward strided slice additions or ``F.fold``) against ``F.unfold``

@@ -26,7 +26,9 @@ Two exact paths:
 On the per-sample path ``products`` picks how: "cached" pullbacks of the whole batch, "direct" products in chunks of
 samples (``flguard.risk.sizing``; a chunk of one sample takes the batched ghost K product where the model allows it,
 ``flguard.risk.ghost_products``), "auto" the cached path where it fits, and "ghost" the ghost products wherever the
-model's forward pass takes them and the batch's graphs are kept, else "auto" (the guard's own operator on a CPU).
+model's forward pass takes them — where the cached path would fit, only if the batch's graphs are kept; where it would
+not, kept or rebuilt in chunks instead of the direct path's vmapped chunks — else "auto" (the guard's own operator on a
+CPU).
 
 Parameters are the model's trainable parameters in ``model.parameters()`` order, flattened.
 
@@ -189,7 +191,7 @@ class JacobianOperator(DirectProducts):
         self.direct = not self.coupled and (products == "direct" or (products in ("auto", "ghost") and not fits))
         self.sample_chunk = sizing.direct_sample_chunk(self.dtheta, self.batch_size, self.device, self.x.element_size())
         self._autograd = SampleAutograd(model, self.buffers, self.loss_fn, self.params)
-        if products == "ghost" and not self.direct and not self.coupled:
+        if products == "ghost" and not self.coupled:
             self.take_ghost_products()
 
     # -- building blocks -------------------------------------------------------------------

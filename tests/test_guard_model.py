@@ -81,6 +81,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"
     ("gaussian", "cached", "cpu"), ("gaussian", "direct", "cpu"), ("eigen", "direct", "cpu"),
     ("rowspace", "cached", "cpu"), ("rowspace", "direct", "cpu"), ("resolvent", "cached", "cpu"),
     ("resolvent", "direct", "cpu"), ("resolvent", "direct-1", "cpu"), ("eigen", "direct-1", "cpu"),
+    ("gaussian", "direct-vmap", "cpu"), ("resolvent", "direct-vmap", "cpu"),
     pytest.param("gaussian", "cached", "cuda", marks=CUDA), pytest.param("gaussian", "direct", "cuda", marks=CUDA),
     pytest.param("eigen", "direct", "cuda", marks=CUDA), pytest.param("resolvent", "cached", "cuda", marks=CUDA),
     pytest.param("resolvent", "direct", "cuda", marks=CUDA)])
@@ -90,7 +91,9 @@ def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f(def
     gives every kept sample a dense-recomputed, box-clipped I²F RMSE ≥ τ, and the report's values
     agree with the dense ones — with the cached products and with the direct ones that large models
     take (two samples per chunk here, on a CUDA device too; "direct-1": one sample at a time, with plain
-    autograd, as a ResNet-18's on the CPU), on the CPU and on a CUDA device (the reference always on the CPU)."""
+    autograd, as a ResNet-18's on the CPU), on the CPU and on a CUDA device (the reference always on the CPU). On
+    the CPU the guard's operator runs both on the batched ghost products; "direct-vmap" keeps the vmapped chunks of
+    two samples that a model the ghost products refuse takes there (``GUARD_GHOST_ON_CPU`` off)."""
     from flguard.risk import sizing
     torch.manual_seed(0)
     model = create("resnet8_gn", image_size=6).double()
@@ -99,6 +102,7 @@ def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f(def
         monkeypatch.setattr(sizing, "CACHED_UP_TO", (1 if products == "direct-1" else 2) * dtheta)
         monkeypatch.setattr(sizing, "CUDA_CHUNK_SHARE", 0.0)  # a CUDA device's chunks as small as the CPU's
         monkeypatch.setattr(sizing, "CUDA_CACHED_SHARE", 0.0)  # and no cached pullbacks there either
+        monkeypatch.setattr(sizing, "GUARD_GHOST_ON_CPU", products != "direct-vmap")
     x = torch.rand(4, 3, 6, 6, dtype=torch.float64)
     x = ((x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)).to(
         memory_format=torch.channels_last)

@@ -172,7 +172,7 @@ def _multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     attention = _softmax(scores, -1)
     attention = drop(attention, dropout_p) if dropped else attention
     out = (attention @ v).transpose(1, 2).reshape(batch, length, embed)
-    out = F.linear(out, out_proj_weight, out_proj_bias).transpose(0, 1)  # (L, N, E)
+    out = F.linear(out, out_proj_weight, out_proj_bias).transpose(0, 1).contiguous()  # (L, N, E), as PyTorch's
     if not need_weights:
         return out, None
     return out, attention.mean(1) if average_attn_weights else attention

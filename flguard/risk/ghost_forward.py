@@ -39,8 +39,8 @@ class Unsupported(Exception):
 def ghost_support(model: nn.Module) -> str | None:
     """Why the batched product cannot take ``model`` (None: it can, subject to ``GhostKmv``'s check of its forward
     pass): each trainable parameter must belong to an ``nn.Conv2d`` with numeric padding, an ``nn.GroupNorm``, an
-    ``nn.LayerNorm``, an ``nn.Linear`` or an ``nn.MultiheadAttention`` — or to a module of the user's or a library's own (a layer scale, an
-    embedding added to the activations), which the forward pass's check then judges."""
+    ``nn.LayerNorm``, an ``nn.Linear`` or an ``nn.MultiheadAttention`` — or to a module of the user's or a library's
+    own (a layer scale, an embedding added to the activations), which the forward pass's check then judges."""
     for path, module in model.named_modules():
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if not own:

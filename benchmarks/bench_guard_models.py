@@ -23,8 +23,7 @@ the image's rows; ``--train-steps 600`` trains it to about 80%) on ``mnist5k``; 
 (GroupNorm) on ``photos32`` (offline 32×32 colour crops); torchvision's ``mobilenet_v3_small``, ``shufflenet_v2_x0_5``,
 ``regnet_x_400mf``, ``efficientnet_b0`` and ``convnext_tiny`` (depthwise or grouped convolutions; LayerNorm and layer
 scales in ConvNeXt) and ``vit_tiny32`` (torchvision's VisionTransformer for 32×32 images, ``TORCHVISION_ARGS``) through
-``flguard.fix_model`` on ``photos32``. Results go to
-benchmarks/results/bench_guard_models.csv.
+``flguard.fix_model`` on ``photos32``. Results go to benchmarks/results/bench_guard_models.csv.
 """
 
 from __future__ import annotations

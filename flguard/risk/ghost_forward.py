@@ -57,8 +57,6 @@ def ghost_support(model: nn.Module) -> str | None:
 #: with one packed input projection (``flguard.risk.functional``'s plain-operator attention; anything else that
 #: attention hands a parameter to is refused by the forward pass's check).
 _REWRITTEN_FORWARDS = (nn.GroupNorm.forward, nn.LayerNorm.forward, nn.Linear.forward, nn.MultiheadAttention.forward)
-#: Expanding a parameter with a leading one to the batch (a class token [1, 1, D] to [B, 1, D]): ``_expanded``.
-_EXPAND = {torch.Tensor.expand}
 
 
 class PerSampleParameters(TorchFunctionMode):
@@ -82,7 +80,7 @@ class PerSampleParameters(TorchFunctionMode):
             return self._group_norm(*args, **kwargs)
         if func is F.linear:
             return self._linear(*args, **kwargs)
-        if func in _EXPAND and self._leaf(args[0]):
+        if func is torch.Tensor.expand and self._leaf(args[0]):  # a class token [1, 1, D] to [B, 1, D]
             return self._expanded(args[0], *args[1:], **kwargs)
         if func in _ELEMENTWISE and len(args) == 2 and not kwargs:
             a, b = args

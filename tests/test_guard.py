@@ -299,6 +299,35 @@ def test_release_freed_memory_returns_a_fragmented_heap_to_the_os():
     del kept
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim and mallinfo2")
+def test_release_freed_memory_keeps_a_heap_with_little_free(monkeypatch):
+    """A heap with less than RELEASE_FROM_BYTES free keeps its pages (the next step would fault them in again):
+    the same fragmented 240 MB stays resident under a threshold above it, and goes back under one below it."""
+    from flguard.risk import sizing
+
+    sizing.release_freed_memory()  # glibc looked up
+    if sizing._heap[1] is None:
+        pytest.skip("glibc before 2.33: no mallinfo2, every heap is trimmed")
+
+    def resident() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * 4096
+
+    blocks = [torch.ones(16384) for _ in range(4096)]
+    kept = blocks[::16]
+    del blocks
+    free = sizing._heap[1]().fordblks
+    assert free > 200 * 2 ** 20
+    monkeypatch.setattr(sizing, "RELEASE_FROM_BYTES", free + 2 ** 30)
+    before = resident()
+    sizing.release_freed_memory()
+    assert abs(before - resident()) < 32 * 2 ** 20
+    monkeypatch.setattr(sizing, "RELEASE_FROM_BYTES", free // 2)
+    sizing.release_freed_memory()
+    assert before - resident() > 128 * 2 ** 20
+    del kept
+
+
 def test_a_guarded_step_leaves_no_operator_to_the_cyclic_collector(monkeypatch):
     """Every operator a step builds is freed by reference counting when the step ends (Python's cyclic collector
     off): a reference cycle would keep its per-sample gradients until the collector runs."""

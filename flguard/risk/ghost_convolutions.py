@@ -32,6 +32,7 @@ class Convolution:
     collecting: list = field(default_factory=lambda: [False])  # shared by one graph's convolutions
     reads_input: bool = False  # whether the layer's input is the model's input itself (pass 1's leaf x)
     groups: int = 1  # G: input and output channels in G groups, each group's outputs reading its own inputs
+    kept_patches: torch.Tensor | None = None  # ``input_patches``: pass 1's patches(x), where kept for the graph
 
     def convolve(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         stride, padding, dilation = self.settings
@@ -59,6 +60,17 @@ class Convolution:
         """[B, I·k², P]: the input's patches in the weight's order (``F.unfold``'s result, ``_Patches``)."""
         stride, padding, dilation = self.settings
         return _Patches.apply(x, tuple(self.weight.shape[2:]), stride, padding, dilation)
+
+    def input_patches(self) -> torch.Tensor:
+        """patches(x) of pass 1's input x, with its graph: taken once and kept for the graph's later products where
+        they take at most KEPT_PATCHES_BYTES (each product's ``pair_dot`` reads them), else taken afresh."""
+        if self.kept_patches is not None:
+            return self.kept_patches
+        x = self.first[1]
+        patches = self.patches(x)
+        if patches.numel() * patches.element_size() <= KEPT_PATCHES_BYTES:
+            self.kept_patches = patches
+        return patches
 
     def outputs(self, t: torch.Tensor) -> torch.Tensor:
         """[B, O, P]: an output-shaped tensor (δ, a pair's a) by output channel and position."""
@@ -113,6 +125,11 @@ class Dense(Convolution):
 #: channels, 32×32) at B = 8 1.6 against 2.9 ms; its second layer (16 → 6 channels) is slower this way (1.3 against
 #: 0.7).
 FOLD_INPUT_CHANNELS = 3
+
+#: ``Convolution.input_patches`` keeps a layer's patches of pass 1's input for the graph's later products up to this
+#: many bytes (the quickstart CNN's two convolutions at B = 32: 1.8 and 1.2 MB; the larger maps of a ResNet's early
+#: layers, 2.4 MB a sample at 64 channels and 32×32, are taken afresh, as the graphs kept are already large there).
+KEPT_PATCHES_BYTES = 2 ** 22
 
 #: ``_Patches``' backward adds k_h·k_w strided slices from this many input channels on; below, ``F.fold`` (col2im),
 #: faster on few channels: measured on one CPU thread, [8, 64, 32, 32] 3×3 4.3 against 23.6 ms, [8, 256, 8, 8] 3.3
@@ -236,7 +253,7 @@ def pair_dot(layer: Convolution, ghost: bool) -> torch.Tensor:
             total = total + ((delta * a).sum(1) * (x * (fixed if b is None else b)).sum(1)).sum()
         return total
     deltas = layer.outputs(delta)  # [B, O, P]
-    patches = layer.patches(x)  # [B, I·k², P]
+    patches = layer.input_patches()  # [B, I·k², P]
     fixed = patches.detach()
     if ghost:
         total = delta.new_zeros(())

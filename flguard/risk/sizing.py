@@ -86,25 +86,47 @@ def takes_cached(dtheta: int, batch: int, device: torch.device, element_size: in
 #: Return the C heap's free pages to the OS after each guarded step (``release_freed_memory``). False: leave them to
 #: the allocator, as before.
 RELEASE_FREED_MEMORY = True
-_heap: list = []  # glibc's malloc_trim, or None where there is none (looked up once)
+#: ... only where the heap holds at least this many free bytes (glibc's ``mallinfo2``: ``fordblks``). Pages handed
+#: back are faulted in again when the next step reuses them, so a step that frees little keeps them: the quickstart
+#: CNN at B = 32 leaves 28–35 MB free after each step and trimming them cost its step about 5% on the AMD EPYC CPU
+#: (docs/results.md, "Small costs that grew on a faster CPU"); a ResNet-18-GN step at B = 8 leaves 340–400 MB.
+RELEASE_FROM_BYTES = 2 ** 26
+_heap: list = []  # (glibc's malloc_trim, its mallinfo2 or None), or (None, None) where there is none (looked up once)
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (2.33 and later): the heap's sizes in bytes."""
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
 
 
 def release_freed_memory() -> None:
-    """Hand the free pages of the C heap back to the OS (glibc's ``malloc_trim(0)``; nothing elsewhere). A guarded
-    step frees gigabytes of temporaries of many sizes, which glibc otherwise keeps for later allocations: on a
-    trained ResNet-18-GN round at B = 8 (one CPU thread) the process held 1.22–1.23 GB between steps without it and
-    1.08–1.10 GB with it, the same 1.85 GB peak either way; it took 0.8–2.2 ms after each of eight guarded steps of
-    the quickstart CNN at B = 32 (850 ms each) (docs/results.md, "One sample at a time with plain autograd"). CUDA
-    memory is the caching allocator's."""
+    """Hand the free pages of the C heap back to the OS (glibc's ``malloc_trim(0)``; nothing elsewhere) where it holds
+    at least RELEASE_FROM_BYTES free (every time where glibc cannot say: before 2.33). A guarded step frees gigabytes
+    of temporaries of many sizes, which glibc otherwise keeps for later allocations: on a trained ResNet-18-GN round
+    at B = 8 (one CPU thread) the process held 1.22–1.23 GB between steps without it and 1.08–1.10 GB with it, the
+    same 1.85 GB peak either way (docs/results.md, "One sample at a time with plain autograd"). CUDA memory is the
+    caching allocator's."""
     if not RELEASE_FREED_MEMORY:
         return
     if not _heap:
-        trim = None
-        if sys.platform.startswith("linux"):
-            try:
-                trim = ctypes.CDLL("libc.so.6").malloc_trim
-            except (OSError, AttributeError):  # not glibc (musl, …)
-                trim = None
-        _heap.append(trim)
-    if _heap[0] is not None:
-        _heap[0](0)
+        _heap.extend(_glibc_heap())
+    trim, info = _heap
+    if trim is not None and (info is None or info().fordblks >= RELEASE_FROM_BYTES):
+        trim(0)
+
+
+def _glibc_heap() -> tuple:
+    """(malloc_trim, mallinfo2) from glibc; mallinfo2 None before glibc 2.33, both None off glibc (musl, …)."""
+    if not sys.platform.startswith("linux"):
+        return None, None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None, None
+    info = getattr(libc, "mallinfo2", None)
+    if info is not None:
+        info.restype, info.argtypes = _MallInfo2, []
+    return trim, info

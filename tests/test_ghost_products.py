@@ -13,7 +13,7 @@ from torch import nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flguard.risk import direct, ghost_products
+from flguard.risk import direct, ghost_convolutions, ghost_products
 from flguard.risk.clipped import ClippedJacobian
 from flguard.risk.ghost_forward import Unsupported, ghost_support
 from flguard.risk.ghost_products import GhostKmv
@@ -164,19 +164,47 @@ def _dense_k(model: nn.Module, x: torch.Tensor, y: torch.Tensor, u: torch.Tensor
     return torch.einsum("bap,bkp->bka", jac, torch.einsum("bap,bka->bkp", jac, u))
 
 
+class _Recurrent(nn.Module):
+    """An image as a sequence (6 steps of 36 features) through a recurrent layer, the last step to a head."""
+
+    def __init__(self, cell: str, **settings) -> None:
+        super().__init__()
+        self.rnn = getattr(nn, cell)(36, 5, batch_first=True, **settings)
+        width = settings.get("proj_size", 0) or 5
+        self.head = nn.Linear(width * (2 if settings.get("bidirectional") else 1), 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x.reshape(x.shape[0], 6, 36))[0][:, -1])
+
+
+def _recurrent_model(cell: str, **settings) -> nn.Module:
+    torch.manual_seed(0)
+    return _Recurrent(cell, **settings).double()
+
+
+SHAPES = {"ResNet": lambda: _model(), "ConvNeXt": lambda: _convnext_model(), "ViT": lambda: _vit_model(),
+          "ViT sequence first": lambda: _vit_model(batch_first=False),
+          "a convolution used twice": lambda: _TwiceUsed().double(),
+          "LSTM": lambda: _recurrent_model("LSTM"),
+          "stacked LSTM with a projection": lambda: _recurrent_model("LSTM", num_layers=2, proj_size=3),
+          "bidirectional GRU": lambda: _recurrent_model("GRU", bidirectional=True),
+          "ReLU RNN": lambda: _recurrent_model("RNN", nonlinearity="relu")}
+
+
 @pytest.mark.parametrize("gram", [True, False], ids=["Gram matrices", "formed weight"])
 @pytest.mark.parametrize("kept", [True, False], ids=["graphs kept", "rebuilt in chunks of 2"])
-@pytest.mark.parametrize("shape", ["ResNet", "ConvNeXt", "ViT", "ViT sequence first"])
+@pytest.mark.parametrize("shape", list(SHAPES))
 def test_ghost_k_product_matches_the_dense_jacobian(gram, kept, shape, monkeypatch):
     """The K product, the clipping's images, J of a shared vector, the per-sample gradients and the summed Jᵀ against
     dense float64 Jacobians, on a ResNet-shaped model (grouped and depthwise convolutions among the settings), a
-    ConvNeXt-shaped one (LayerNorm, a layer scale, a position embedding) and a ViT-shaped one (a class token,
-    ``nn.MultiheadAttention`` batch first and sequence first)."""
-    monkeypatch.setattr(ghost_products, "ghost_cheaper", lambda layer: gram)
+    ConvNeXt-shaped one (LayerNorm, a layer scale, a position embedding), a ViT-shaped one (a class token,
+    ``nn.MultiheadAttention`` batch first and sequence first), and models that use one weight several times — a
+    convolution applied twice, recurrent layers (W_hh at each of 6 steps): the cross terms between a weight's uses
+    are in every product."""
+    monkeypatch.setattr(ghost_convolutions, "ghost_cheaper", lambda layer, positions=None: gram)
     if not kept:
         monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)
-    model = {"ResNet": _model, "ConvNeXt": _convnext_model, "ViT": _vit_model,
-             "ViT sequence first": lambda: _vit_model(batch_first=False)}[shape]()
+    model = SHAPES[shape]()
     assert ghost_support(model) is None
     x, y = _batch()
     op = JacobianOperator(model, x, y, products="direct")
@@ -281,8 +309,8 @@ def test_products_ghost_takes_the_batched_products_where_the_cached_path_would_r
     # per-sample vectors: one sample at a time, the same blocks
     w = torch.randn(4, 1, op.dtheta, dtype=torch.float64)
     torch.testing.assert_close(op.j(w)[:, 0], torch.einsum("bap,bp->ba", jac, w[:, 0]), rtol=1e-9, atol=1e-12)
-    refused = JacobianOperator(_TwiceUsed().double(), x, y, products="ghost")
-    assert not refused.direct and "used by two layers" in refused.ghost_refused
+    refused = JacobianOperator(_ScaledNorm().double(), x, y, products="ghost")
+    assert not refused.direct and "takes the parameter norm" in refused.ghost_refused
     assert getattr(refused, "_ghost", None) is None
 
 
@@ -315,11 +343,11 @@ def test_products_ghost_replaces_the_direct_paths_vmapped_chunks(kept, monkeypat
     jac = _dense_jacobians(model, x, y)
     torch.testing.assert_close(op.gradient_images(), torch.einsum("bap,bp->ba", jac, op.per_sample_gradients()),
                                rtol=1e-9, atol=1e-12)
-    twice = _TwiceUsed().double()
-    monkeypatch.setattr(sizing, "CACHED_UP_TO", 4 * sum(p.numel() for p in twice.parameters()) - 1)
-    refused = JacobianOperator(twice, x, y, products="ghost")
+    scaled = _ScaledNorm().double()
+    monkeypatch.setattr(sizing, "CACHED_UP_TO", 4 * sum(p.numel() for p in scaled.parameters()) - 1)
+    refused = JacobianOperator(scaled, x, y, products="ghost")
     assert refused.direct and refused.sample_chunk == 3 and getattr(refused, "_ghost", None) is None
-    assert "used by two layers" in refused.ghost_refused
+    assert "takes the parameter norm" in refused.ghost_refused
 
 
 @pytest.mark.parametrize("channels", [3, 16], ids=["col2im backward", "slices backward"])
@@ -359,8 +387,8 @@ def test_the_input_gradient_of_a_convolution_equals_autograds(channels):
 
 
 class _TwiceUsed(nn.Module):
-    """One convolution applied twice: its weight's gradient is the sum of two uses, whose cross terms the per-layer
-    inner products would miss."""
+    """One convolution applied twice: its weight's gradient is the sum of two uses, whose cross terms per-use inner
+    products would miss (``weight_dot`` takes both uses as one layer)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -415,8 +443,8 @@ class _CrossAttention(nn.Module):
         return self.head(self.attention(tokens, context, context, need_weights=False)[0].mean(1))
 
 
-@pytest.mark.parametrize("case", ["BatchNorm in eval mode", "a convolution used twice", "a weight used elsewhere",
-                                  "'same' padding", "cross-attention"])
+@pytest.mark.parametrize("case", ["BatchNorm in eval mode", "a weight used elsewhere", "'same' padding",
+                                  "cross-attention"])
 def test_models_the_ghost_product_refuses_keep_the_loop(case):
     torch.manual_seed(0)
     if case == "BatchNorm in eval mode":
@@ -429,8 +457,7 @@ def test_models_the_ghost_product_refuses_keep_the_loop(case):
         model(torch.randn(2, 3, 8, 9))
         static = "1: a 'same'-padded convolution"
     else:
-        model = {"a convolution used twice": _TwiceUsed, "a weight used elsewhere": _ScaledNorm,
-                 "cross-attention": _CrossAttention}[case]()
+        model = {"a weight used elsewhere": _ScaledNorm, "cross-attention": _CrossAttention}[case]()
         static = None
     model = model.double()
     assert ghost_support(model) == static
@@ -442,8 +469,7 @@ def test_models_the_ghost_product_refuses_keep_the_loop(case):
     assert getattr(op, "_ghost", None) is None
     if static is None:  # refused by the forward pass's check, and said why
         assert op.ghost_products
-        expected = {"a convolution used twice": "conv.weight is used by two layers",
-                    "a weight used elsewhere": "takes the parameter norm",
+        expected = {"a weight used elsewhere": "takes the parameter norm",
                     "cross-attention": "chunk takes the parameter attention.in_proj_weight"}[case]
         assert expected in op.ghost_refused
         with pytest.raises(Unsupported, match=expected.split(" is")[0]):

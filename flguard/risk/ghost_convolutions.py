@@ -230,12 +230,13 @@ def _by_group(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.reshape(t.shape[0] * groups, t.shape[1] // groups, t.shape[2])
 
 
-def ghost_cheaper(layer: Convolution) -> bool:
+def ghost_cheaper(layer: Convolution, positions: int | None = None) -> bool:
     """Whether the Gram matrices (P·(O + I·k²) per pair and sample) cost less than forming the weight (2·O·I·k²);
-    never for a grouped convolution, whose Gram matrices would be one pair per group (its weight is G times smaller)."""
+    never for a grouped convolution, whose Gram matrices would be one pair per group (its weight is G times smaller).
+    ``positions``: P where it is not the layer's own (a weight's uses taken as one layer, ``weight_dot``)."""
     if layer.groups != 1:
         return False
-    positions = layer.positions()
+    positions = layer.positions() if positions is None else positions
     outputs, inputs = layer.weight.shape[0], layer.weight[0].numel()
     return positions * (outputs + inputs) < 2 * outputs * inputs
 
@@ -267,3 +268,25 @@ def pair_dot(layer: Convolution, ghost: bool) -> torch.Tensor:
         part = layer.per_sample_weights(layer.outputs(a), fixed if b is None else layer.patches(b))  # [B, O, I·k²/G]
         weight = part if weight is None else weight + part
     return (layer.applied(weight, patches) * deltas).sum()
+
+
+def weight_dot(uses: list[Convolution]) -> torch.Tensor:
+    """Σ_j ⟨∇_Wℓ_j, w_j⟩ for one shared weight W (``pair_dot``'s sum) over every use the forward pass made of it. Used
+    once, ``pair_dot``. Used several times — a recurrent layer's W_hh at every step, a layer applied twice — the
+    sample's gradient is Σ_u wgrad_u(δ_u, x_u) and w_j the sum over every use's pairs: every use's positions are
+    positions of one layer, so each side's outputs and patches are concatenated along P (their weight layout is the
+    same) and the Gram matrices, or the formed weight, taken once over them all."""
+    if len(uses) == 1:
+        return pair_dot(uses[0], ghost_cheaper(uses[0]))
+    reached = [use for use in uses if use.first is not None]
+    pairs = [(use, a, b) for use in reached for a, b in use.pairs]
+    if not pairs:
+        return torch.zeros(())
+    deltas = torch.cat([use.outputs(use.first[0]) for use in reached], 2)  # [B, O, ΣP]
+    patches = torch.cat([use.input_patches() for use in reached], 2)  # [B, I·k²/G, ΣP], with pass 1's graph
+    outputs = torch.cat([use.outputs(a) for use, a, _ in pairs], 2)  # [B, O, ΣQ]
+    inputs = torch.cat([use.input_patches().detach() if b is None else use.patches(b) for use, _, b in pairs], 2)
+    layer = uses[0]
+    if ghost_cheaper(layer, deltas.shape[2]):
+        return (torch.bmm(deltas.transpose(1, 2), outputs) * torch.bmm(patches.transpose(1, 2), inputs)).sum()
+    return (layer.applied(layer.per_sample_weights(outputs, inputs), patches) * deltas).sum()

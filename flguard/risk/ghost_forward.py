@@ -39,7 +39,8 @@ class Unsupported(Exception):
 def ghost_support(model: nn.Module) -> str | None:
     """Why the batched product cannot take ``model`` (None: it can, subject to ``GhostKmv``'s check of its forward
     pass): each trainable parameter must belong to an ``nn.Conv2d`` with numeric padding, an ``nn.GroupNorm``, an
-    ``nn.LayerNorm``, an ``nn.Linear`` or an ``nn.MultiheadAttention`` — or to a module of the user's or a library's
+    ``nn.LayerNorm``, an ``nn.Linear``, an ``nn.MultiheadAttention`` or a recurrent layer (``nn.RNN``, ``nn.GRU``,
+    ``nn.LSTM``) — or to a module of the user's or a library's
     own (a layer scale, an embedding added to the activations), which the forward pass's check then judges."""
     for path, module in model.named_modules():
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
@@ -55,8 +56,10 @@ def ghost_support(model: nn.Module) -> str | None:
 
 #: PyTorch's layers whose parameters the batched product takes (besides ``nn.Conv2d``): attention's in self-attention
 #: with one packed input projection (``flguard.risk.functional``'s plain-operator attention; anything else that
-#: attention hands a parameter to is refused by the forward pass's check).
-_REWRITTEN_FORWARDS = (nn.GroupNorm.forward, nn.LayerNorm.forward, nn.Linear.forward, nn.MultiheadAttention.forward)
+#: attention hands a parameter to is refused by the forward pass's check); the recurrent layers' in plain operators
+#: (``flguard.risk.recurrent``: each step's W_hh a use of one fully connected layer, its biases per-sample leaves).
+_REWRITTEN_FORWARDS = (nn.GroupNorm.forward, nn.LayerNorm.forward, nn.Linear.forward, nn.MultiheadAttention.forward,
+                       nn.RNN.forward, nn.GRU.forward, nn.LSTM.forward)
 
 
 class PerSampleParameters(TorchFunctionMode):
@@ -142,9 +145,12 @@ class PerSampleParameters(TorchFunctionMode):
         return p.reshape(self.batch, -1, *([1] * (dims - 2)))
 
     def _ghost(self, layer: Convolution, input: torch.Tensor, where: str) -> torch.Tensor:
-        """``layer``'s output through ``GhostConv2d``, the layer recorded (each shared weight used once)."""
-        if any(seen.weight is layer.weight for seen in self.layers):
-            raise Unsupported(f"{layer.name} is used by two layers")
+        """``layer``'s output through ``GhostConv2d``, the layer recorded: one use of its shared weight, which may be
+        used again — a recurrent weight at every step, a layer applied twice (``weight_dot`` takes its uses as one
+        layer) — by the same kind of layer with the same groups."""
+        for seen in self.layers:
+            if seen.weight is layer.weight and (type(seen) is not type(layer) or seen.groups != layer.groups):
+                raise Unsupported(f"{layer.name} is used by two kinds of layers")
         self._batched(input, where)
         layer.reads_input = input is self.model_input  # pass 2 then skips its input gradient
         self.layers.append(layer)

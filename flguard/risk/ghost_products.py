@@ -52,7 +52,7 @@ from torch.func import vmap
 
 from flguard.risk.dropout_draws import sample_rows
 from flguard.risk.functional import functional_forward
-from flguard.risk.ghost_convolutions import Convolution, ghost_cheaper, pair_dot
+from flguard.risk.ghost_convolutions import Convolution, weight_dot
 from flguard.risk.ghost_forward import PerSampleParameters, Unsupported, ghost_support
 
 #: The graphs are kept for the step while the whole batch's take at most RETAINED_BYTES (pass 1's saved tensors,
@@ -77,6 +77,14 @@ class _Graph:
     grads: list[torch.Tensor | None]
     layers: list[Convolution]
     collecting: list
+
+    @property
+    def weights(self) -> list[list[Convolution]]:
+        """The layers grouped by their shared weight: each weight's uses, in the forward pass's order."""
+        uses: dict[str, list[Convolution]] = {}
+        for layer in self.layers:
+            uses.setdefault(layer.name, []).append(layer)
+        return list(uses.values())
 
 
 class GhostKmv:
@@ -152,8 +160,11 @@ class GhostKmv:
         loss = _summed_losses(self.loss_fn, logits, self.y[start:stop])
         names = [n for n in self.params if id(values[n]) in per_sample]
         leaves = [values[n] for n in names]
-        input_grad, *grads = torch.autograd.grad(loss, [x] + leaves, create_graph=True, allow_unused=True)
-        return _Graph(x, input_grad, names, leaves, grads, mode.layers, mode.collecting)
+        # every layer's token too: a layer whose input the batch does not reach (a recurrent weight on the zero initial
+        # state, a projection of a constant) would otherwise be pruned from pass 1, its (δ, x) never recorded
+        tokens = [layer.token for layer in mode.layers]
+        input_grad, *grads = torch.autograd.grad(loss, [x] + leaves + tokens, create_graph=True, allow_unused=True)
+        return _Graph(x, input_grad, names, leaves, grads[:len(leaves)], mode.layers, mode.collecting)
 
     def __call__(self, u: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(u)
@@ -169,10 +180,12 @@ class GhostKmv:
         out = self.x.new_empty(self.x.shape[0], self.x[0].numel())
         for start, graph in self._graphs():
             total = _leaf_dot(graph.grads, [None if g is None else g.detach() for g in graph.grads])
-            for layer in graph.layers:
-                if layer.first is not None:
-                    layer.pairs = [(layer.first[0].detach(), None)]
-                    total = total + pair_dot(layer, ghost_cheaper(layer))
+            for uses in graph.weights:
+                for layer in uses:
+                    layer.pairs = [] if layer.first is None else [(layer.first[0].detach(), None)]
+                if any(layer.pairs for layer in uses):
+                    total = total + weight_dot(uses)
+                for layer in uses:
                     layer.pairs = []
             out[start:start + graph.x.shape[0]] = self._input_gradient(graph, total, self.retained)
         return out
@@ -208,7 +221,7 @@ class GhostKmv:
                 if layer.first is not None:
                     delta, x = (t.detach() for t in layer.first)
                     weight = layer.per_sample_weights(layer.outputs(delta), layer.patches(x))
-                    rows[:, columns[layer.name]] = weight.reshape(rows.shape[0], -1)
+                    rows[:, columns[layer.name]] += weight.reshape(rows.shape[0], -1)  # summed over its uses
         return out
 
     def transposed_sum(self, u: torch.Tensor) -> torch.Tensor:
@@ -237,10 +250,11 @@ class GhostKmv:
         """Passes 2 and 3 on one graph: K_iu_i [rows, dx] for u [rows, dx]; ``keep``: the graph for another product."""
         grads = self._transposed(graph, u, True)
         total = _leaf_dot(graph.grads, grads)
-        for layer in graph.layers:
-            if layer.pairs and layer.first is not None:
-                total = total + pair_dot(layer, ghost_cheaper(layer))
-            layer.pairs = []
+        for uses in graph.weights:
+            if any(layer.pairs and layer.first is not None for layer in uses):
+                total = total + weight_dot(uses)
+            for layer in uses:
+                layer.pairs = []
         return self._input_gradient(graph, total, keep).reshape(u.shape)
 
     @staticmethod
@@ -269,7 +283,8 @@ class GhostKmv:
 
 def shared_weights(model: nn.Module) -> dict[str, bool]:
     """The parameters the batched product keeps shared, by name: each ``nn.Conv2d``'s weight (False), each
-    ``nn.Linear``'s and each ``nn.MultiheadAttention``'s packed input projection (True: fully connected)."""
+    ``nn.Linear``'s, each ``nn.MultiheadAttention``'s packed input projection and a recurrent layer's weights — input,
+    recurrent and projection, each layer and direction (True: fully connected)."""
     shared = {}
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
@@ -277,6 +292,8 @@ def shared_weights(model: nn.Module) -> dict[str, bool]:
             shared[prefix + "weight"] = isinstance(module, nn.Linear)
         elif isinstance(module, nn.MultiheadAttention) and module.in_proj_weight is not None:
             shared[prefix + "in_proj_weight"] = True
+        elif isinstance(module, nn.RNNBase):
+            shared.update({prefix + name: True for name in module._flat_weights_names if name.startswith("weight")})
     return shared
 
 

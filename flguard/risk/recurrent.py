@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 #: (tensor, p) ↦ the tensor dropped with probability p (``flguard.risk.dropout_draws``'s, which draws or replays).
 Drop = Callable[[torch.Tensor, float], torch.Tensor]
@@ -52,12 +53,18 @@ def _lstm_cell(projected: torch.Tensor, state: tuple, w_hh: torch.Tensor, b_hh, 
     i, f, g, o = (projected + _affine(h, w_hh, b_hh)).chunk(4, -1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     h = torch.sigmoid(o) * torch.tanh(c)
-    return (h if w_hr is None else h @ w_hr.t(), c)
+    return (h if w_hr is None else F.linear(h, w_hr), c)
 
 
 def _affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = x @ weight.t()
-    return out if bias is None else out + bias
+    """W x + b as ``F.linear`` on a batch-first input (a state [N, H]): the batched K product's fully connected layer
+    (``flguard.risk.ghost_forward``), a recurrent weight one layer used at every step."""
+    return F.linear(x, weight, bias)
+
+
+def _projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """W_ih x + b_ih for a whole time-major sequence (T, N, features) at once, batch first inside (``_affine``)."""
+    return _affine(x.transpose(0, 1), weight, bias).transpose(0, 1)
 
 
 #: The recurrent functions rewritten, with their cell.
@@ -105,7 +112,7 @@ def recurrent(func: Any, args: tuple, kwargs: dict, drop: Drop | None) -> tuple 
             w_ih, w_hh = weights[:2]
             b_ih, b_hh = weights[2:4] if has_biases else (None, None)
             w_hr = weights[-1] if stride - 2 - 2 * has_biases == 1 else None
-            state, steps, projected = states[at], [None] * x.shape[0], _affine(x, w_ih, b_ih)
+            state, steps, projected = states[at], [None] * x.shape[0], _projection(x, w_ih, b_ih)
             order = range(x.shape[0]) if direction == 0 else reversed(range(x.shape[0]))
             for t in order:
                 state = cell(projected[t], state, w_hh, b_hh, w_hr)

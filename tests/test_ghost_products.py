@@ -177,6 +177,21 @@ class _Recurrent(nn.Module):
         return self.head(self.rnn(x.reshape(x.shape[0], 6, 36))[0][:, -1])
 
 
+class _CellLoop(nn.Module):
+    """An ``nn.LSTMCell`` stepped by hand over the same 6 steps, its last state to a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.LSTMCell(36, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        steps, state = x.reshape(x.shape[0], 6, 36), None
+        for t in range(6):
+            state = self.cell(steps[:, t], state)
+        return self.head(state[0])
+
+
 def _recurrent_model(cell: str, **settings) -> nn.Module:
     torch.manual_seed(0)
     return _Recurrent(cell, **settings).double()
@@ -188,7 +203,8 @@ SHAPES = {"ResNet": lambda: _model(), "ConvNeXt": lambda: _convnext_model(), "Vi
           "LSTM": lambda: _recurrent_model("LSTM"),
           "stacked LSTM with a projection": lambda: _recurrent_model("LSTM", num_layers=2, proj_size=3),
           "bidirectional GRU": lambda: _recurrent_model("GRU", bidirectional=True),
-          "ReLU RNN": lambda: _recurrent_model("RNN", nonlinearity="relu")}
+          "ReLU RNN": lambda: _recurrent_model("RNN", nonlinearity="relu"),
+          "LSTMCell stepped by hand": lambda: (torch.manual_seed(0), _CellLoop().double())[1]}
 
 
 @pytest.mark.parametrize("gram", [True, False], ids=["Gram matrices", "formed weight"])
@@ -199,8 +215,8 @@ def test_ghost_k_product_matches_the_dense_jacobian(gram, kept, shape, monkeypat
     dense float64 Jacobians, on a ResNet-shaped model (grouped and depthwise convolutions among the settings), a
     ConvNeXt-shaped one (LayerNorm, a layer scale, a position embedding), a ViT-shaped one (a class token,
     ``nn.MultiheadAttention`` batch first and sequence first), and models that use one weight several times — a
-    convolution applied twice, recurrent layers (W_hh at each of 6 steps): the cross terms between a weight's uses
-    are in every product."""
+    convolution applied twice, recurrent layers and a cell stepped by hand (W_hh at each of 6 steps): the cross terms
+    between a weight's uses are in every product."""
     monkeypatch.setattr(ghost_convolutions, "ghost_cheaper", lambda layer, positions=None: gram)
     if not kept:
         monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)

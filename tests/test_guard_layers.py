@@ -79,6 +79,22 @@ class _Recurrent(nn.Module):
         return (out if self.batch_first else out.transpose(0, 1)).transpose(1, 2).reshape(x.shape)
 
 
+class _Cells(nn.Module):
+    """A cell module (``nn.LSTMCell``, ``nn.GRUCell``, ``nn.RNNCell``) stepped by hand over the pixels as a sequence (16
+    steps of 4 features, the state starting at zero), each step's output back in the image's shape."""
+
+    def __init__(self, cell: type[nn.RNNCellBase], **options) -> None:
+        super().__init__()
+        self.cell = cell(4, 4, **options)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens, state, steps = x.flatten(2).transpose(1, 2), None, []
+        for t in range(tokens.shape[1]):
+            state = self.cell(tokens[:, t], state)
+            steps.append(state[0] if isinstance(state, tuple) else state)
+        return torch.stack(steps, 2).reshape(x.shape)
+
+
 def _frozen_batchnorm() -> nn.Module:
     """A pretrained BatchNorm's eval-mode map, kept in any mode (``fix_model(model, batchnorm="frozen")``)."""
     from flguard.guard import FrozenBatchNorm
@@ -120,6 +136,9 @@ LAYERS = {
     "gru_stacked_without_bias": (lambda: _Recurrent(nn.GRU, num_layers=2, bias=False), None),
     "rnn_tanh": (lambda: _Recurrent(nn.RNN), None),
     "rnn_relu_bidirectional": (lambda: _Recurrent(nn.RNN, hidden=2, nonlinearity="relu", bidirectional=True), None),
+    "lstm_cell": (lambda: _Cells(nn.LSTMCell), None),
+    "gru_cell_without_bias": (lambda: _Cells(nn.GRUCell, bias=False), None),
+    "rnn_relu_cell": (lambda: _Cells(nn.RNNCell, nonlinearity="relu"), None),
 }
 
 

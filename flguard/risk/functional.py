@@ -25,9 +25,9 @@ float64 nets against dense Jacobians from plain double backward (``tests/test_gu
   kernel's double backward on a channels-last gradient (a ConvNeXt's) takes an ``as_strided_`` that ``vmap`` has
   no batching rule for — a per-sample loop and a warning (a small ConvNeXt's cached K product 47 → 43 ms; a ResNet's
   products 1.5–2.5% faster, bit-identical);
-* **recurrent layers** (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``): their kernels write each step's state in place and fail
-  under ``vmap``; they run step by step in plain operators (``flguard.risk.recurrent``), a stacked layer's dropout
-  between its layers replayed like any other.
+* **recurrent layers** (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``) and their cells (``nn.RNNCell``, ``nn.GRUCell``,
+  ``nn.LSTMCell``): their kernels write each step's state in place and fail under ``vmap``; they run step by step in
+  plain operators (``flguard.risk.recurrent``), a stacked layer's dropout between its layers replayed like any other.
 
 Every other activation, pooling, normalisation (GroupNorm's kernel is right in every composition and keeps its speed),
 padding and resampling layer an image model uses runs as PyTorch has it, checked in the same test. The mode sees
@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 
 from flguard.risk.dropout_draws import DROPOUT_FUNCTIONS, DropoutDraws
 from flguard.risk.recurrent import CELLS as RECURRENT_CELLS
-from flguard.risk.recurrent import PACKED, packed, recurrent
+from flguard.risk.recurrent import PACKED, STEP_CELLS, packed, recurrent, recurrent_step
 
 
 def _normalised(x: torch.Tensor, dims: tuple[int, ...], eps: float) -> torch.Tensor:
@@ -220,6 +220,8 @@ class _TwiceDifferentiable(TorchFunctionMode):
                 raise ValueError(PACKED)
             if value is not None:
                 return value
+        if func in STEP_CELLS:  # a cell module's step (nn.LSTMCell …): its kernel fails under vmap as the layers' do
+            return recurrent_step(func, args, kwargs)
         if func is F.adaptive_avg_pool2d:
             given = {**dict(zip(("input", "output_size"), args)), **kwargs}
             if given["output_size"] in (1, (1, 1), [1, 1]):  # global average pooling

@@ -38,8 +38,8 @@ class Unsupported(Exception):
 def ghost_support(model: nn.Module) -> str | None:
     """Why the batched product cannot take ``model`` (None: it can, subject to ``GhostKmv``'s check of its forward
     pass): each trainable parameter must belong to an ``nn.Conv2d`` with numeric padding, an ``nn.GroupNorm``, an
-    ``nn.LayerNorm``, an ``nn.Linear``, an ``nn.MultiheadAttention`` or a recurrent layer (``nn.RNN``, ``nn.GRU``,
-    ``nn.LSTM``) — or to a module of the user's or a library's
+    ``nn.LayerNorm``, an ``nn.Linear``, an ``nn.MultiheadAttention``, a recurrent layer (``nn.RNN``, ``nn.GRU``,
+    ``nn.LSTM``) or cell (``nn.RNNCell``, ``nn.GRUCell``, ``nn.LSTMCell``) — or to a module of the user's or a library's
     own (a layer scale, an embedding added to the activations), which the forward pass's check then judges."""
     for path, module in model.named_modules():
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
@@ -56,9 +56,11 @@ def ghost_support(model: nn.Module) -> str | None:
 #: PyTorch's layers whose parameters the batched product takes (besides ``nn.Conv2d``): attention's in self-attention
 #: with one packed input projection (``flguard.risk.functional``'s plain-operator attention; anything else that
 #: attention hands a parameter to is refused by the forward pass's check); the recurrent layers' in plain operators
-#: (``flguard.risk.recurrent``: each step's W_hh a use of one fully connected layer, its biases per-sample leaves).
+#: (``flguard.risk.recurrent``: each step's W_hh a use of one fully connected layer, its biases per-sample leaves), and
+#: their cell modules' (each call of the cell one more use of its weights).
 _REWRITTEN_FORWARDS = (nn.GroupNorm.forward, nn.LayerNorm.forward, nn.Linear.forward, nn.MultiheadAttention.forward,
-                       nn.RNN.forward, nn.GRU.forward, nn.LSTM.forward)
+                       nn.RNN.forward, nn.GRU.forward, nn.LSTM.forward, nn.RNNCell.forward, nn.GRUCell.forward,
+                       nn.LSTMCell.forward)
 
 
 class PerSampleParameters(TorchFunctionMode):

@@ -283,8 +283,8 @@ class GhostKmv:
 
 def shared_weights(model: nn.Module) -> dict[str, bool]:
     """The parameters the batched product keeps shared, by name: each ``nn.Conv2d``'s weight (False), each
-    ``nn.Linear``'s, each ``nn.MultiheadAttention``'s packed input projection and a recurrent layer's weights — input,
-    recurrent and projection, each layer and direction (True: fully connected)."""
+    ``nn.Linear``'s, each ``nn.MultiheadAttention``'s packed input projection and a recurrent layer's or cell's
+    weights — input, recurrent and projection, each layer and direction (True: fully connected)."""
     shared = {}
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
@@ -294,6 +294,8 @@ def shared_weights(model: nn.Module) -> dict[str, bool]:
             shared[prefix + "in_proj_weight"] = True
         elif isinstance(module, nn.RNNBase):
             shared.update({prefix + name: True for name in module._flat_weights_names if name.startswith("weight")})
+        elif isinstance(module, nn.RNNCellBase):
+            shared.update({prefix + "weight_ih": True, prefix + "weight_hh": True})
     return shared
 
 

@@ -1,4 +1,5 @@
-"""Recurrent layers (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``) in plain operators, step by step over the sequence.
+"""Recurrent layers (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``) in plain operators, step by step over the sequence, and
+the cell modules' steps (``nn.RNNCell``, ``nn.GRUCell``, ``nn.LSTMCell``) with the same cells.
 
 PyTorch runs a recurrent layer as one call (``torch._VF.rnn_tanh``, ``rnn_relu``, ``gru``, ``lstm``) whose kernel
 writes each step's state in place: under ``vmap`` — the guard's per-sample products — it fails ("output with shape
@@ -72,6 +73,23 @@ CELLS = {torch._VF.rnn_tanh: _rnn_cell(torch.tanh), torch._VF.rnn_relu: _rnn_cel
          torch._VF.gru: _gru_cell, torch._VF.lstm: _lstm_cell}
 
 
+#: One step of the cell modules (``nn.RNNCell``, ``nn.GRUCell``, ``nn.LSTMCell``, in the user's own loop over a
+#: sequence), with the same cells: their kernels fail under ``vmap`` as the layers' do.
+STEP_CELLS = {torch._VF.rnn_tanh_cell: CELLS[torch._VF.rnn_tanh], torch._VF.rnn_relu_cell: CELLS[torch._VF.rnn_relu],
+              torch._VF.gru_cell: _gru_cell, torch._VF.lstm_cell: _lstm_cell}
+
+
+def recurrent_step(func: Any, args: tuple, kwargs: dict) -> tuple | torch.Tensor:
+    """``func`` (one of ``STEP_CELLS``: a cell module's step, ``(input, hx, w_ih, w_hh, b_ih, b_hh)``) in plain
+    operators: the LSTM's (h', c'), the others' h', as PyTorch's."""
+    given = {**dict(zip(("input", "hx", "w_ih", "w_hh", "b_ih", "b_hh"), args)), **kwargs}
+    projected = _affine(given["input"], given["w_ih"], given.get("b_ih"))
+    lstm = func is torch._VF.lstm_cell
+    state = tuple(given["hx"]) if lstm else (given["hx"],)
+    out = STEP_CELLS[func](projected, state, given["w_hh"], given.get("b_hh"), None)
+    return out if lstm else out[0]
+
+
 #: Why a packed sequence is not measured (``recurrent`` leaves it to PyTorch, whose kernel fails in the guard's passes).
 PACKED = ("a recurrent layer on a packed sequence (nn.utils.rnn.pack_padded_sequence): the guard runs recurrent layers "
           "step by step on padded batches — give the layer the padded batch (and take each sample's last valid step "
@@ -127,4 +145,4 @@ def recurrent(func: Any, args: tuple, kwargs: dict, drop: Drop | None) -> tuple 
     return (output, h_n, torch.stack([state[1] for state in finals])) if lstm else (output, h_n)
 
 
-__all__ = ["CELLS", "PACKED", "drops_between_layers", "packed", "recurrent"]
+__all__ = ["CELLS", "PACKED", "STEP_CELLS", "drops_between_layers", "packed", "recurrent", "recurrent_step"]

@@ -192,6 +192,23 @@ class _CellLoop(nn.Module):
         return self.head(state[0])
 
 
+class _Series(nn.Module):
+    """A time series' 1-D convolutions (the image as 3 channels of 72 steps): strided and padded, GroupNorm, a grouped
+    dilated one and a reflect-padded one (``F.pad`` before the convolution)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Conv1d(3, 6, 5, stride=2, padding=2)
+        self.norm = nn.GroupNorm(2, 6)
+        self.grouped = nn.Conv1d(6, 6, 3, padding=2, dilation=2, groups=3)
+        self.reflect = nn.Conv1d(6, 4, 3, padding=1, padding_mode="reflect")
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = torch.tanh(self.norm(self.first(x.reshape(x.shape[0], 3, -1))))
+        return self.head(torch.tanh(self.reflect(torch.tanh(self.grouped(z)))).mean(2))
+
+
 def _recurrent_model(cell: str, **settings) -> nn.Module:
     torch.manual_seed(0)
     return _Recurrent(cell, **settings).double()
@@ -200,6 +217,7 @@ def _recurrent_model(cell: str, **settings) -> nn.Module:
 SHAPES = {"ResNet": lambda: _model(), "ConvNeXt": lambda: _convnext_model(), "ViT": lambda: _vit_model(),
           "ViT sequence first": lambda: _vit_model(batch_first=False),
           "a convolution used twice": lambda: _TwiceUsed().double(),
+          "1-D convolutions": lambda: (torch.manual_seed(0), _Series().double())[1],
           "LSTM": lambda: _recurrent_model("LSTM"),
           "stacked LSTM with a projection": lambda: _recurrent_model("LSTM", num_layers=2, proj_size=3),
           "bidirectional GRU": lambda: _recurrent_model("GRU", bidirectional=True),
@@ -214,7 +232,8 @@ def test_ghost_k_product_matches_the_dense_jacobian(gram, kept, shape, monkeypat
     """The K product, the clipping's images, J of a shared vector, the per-sample gradients and the summed Jᵀ against
     dense float64 Jacobians, on a ResNet-shaped model (grouped and depthwise convolutions among the settings), a
     ConvNeXt-shaped one (LayerNorm, a layer scale, a position embedding), a ViT-shaped one (a class token,
-    ``nn.MultiheadAttention`` batch first and sequence first), and models that use one weight several times — a
+    ``nn.MultiheadAttention`` batch first and sequence first), a time series' 1-D convolutions, and models that use
+    one weight several times — a
     convolution applied twice, recurrent layers and a cell stepped by hand (W_hh at each of 6 steps): the cross terms
     between a weight's uses are in every product."""
     monkeypatch.setattr(ghost_convolutions, "ghost_cheaper", lambda layer, positions=None: gram)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.utils import _pair
+from torch.nn.modules.utils import _pair, _single
 from torch.overrides import TorchFunctionMode
 
 from flguard.risk.ghost_convolutions import Convolution, Dense, GhostConv2d
@@ -37,15 +37,16 @@ class Unsupported(Exception):
 
 def ghost_support(model: nn.Module) -> str | None:
     """Why the batched product cannot take ``model`` (None: it can, subject to ``GhostKmv``'s check of its forward
-    pass): each trainable parameter must belong to an ``nn.Conv2d`` with numeric padding, an ``nn.GroupNorm``, an
-    ``nn.LayerNorm``, an ``nn.Linear``, an ``nn.MultiheadAttention``, a recurrent layer (``nn.RNN``, ``nn.GRU``,
-    ``nn.LSTM``) or cell (``nn.RNNCell``, ``nn.GRUCell``, ``nn.LSTMCell``) — or to a module of the user's or a library's
-    own (a layer scale, an embedding added to the activations), which the forward pass's check then judges."""
+    pass): each trainable parameter must belong to an ``nn.Conv1d`` or ``nn.Conv2d`` with numeric padding, an
+    ``nn.GroupNorm``, an ``nn.LayerNorm``, an ``nn.Linear``, an ``nn.MultiheadAttention``, a recurrent layer
+    (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``) or cell (``nn.RNNCell``, ``nn.GRUCell``, ``nn.LSTMCell``) — or to a module of
+    the user's or a library's own (a layer scale, an embedding added to the activations), which the forward pass's
+    check then judges."""
     for path, module in model.named_modules():
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if not own:
             continue
-        if isinstance(module, nn.Conv2d) and type(module).forward is nn.Conv2d.forward:
+        if isinstance(module, (nn.Conv1d, nn.Conv2d)) and type(module).forward in _CONVOLUTION_FORWARDS:
             if isinstance(module.padding, str):
                 return f"{path or 'the model'}: a 'same'-padded convolution"
         elif type(module).__module__.startswith("torch.") and type(module).forward not in _REWRITTEN_FORWARDS:
@@ -53,7 +54,9 @@ def ghost_support(model: nn.Module) -> str | None:
     return None
 
 
-#: PyTorch's layers whose parameters the batched product takes (besides ``nn.Conv2d``): attention's in self-attention
+#: The convolutions the batched product takes, by their own forward (a subclass's may do anything with the weight).
+_CONVOLUTION_FORWARDS = (nn.Conv1d.forward, nn.Conv2d.forward)
+#: PyTorch's layers whose parameters the batched product takes (besides the convolutions): attention's in self-attention
 #: with one packed input projection (``flguard.risk.functional``'s plain-operator attention; anything else that
 #: attention hands a parameter to is refused by the forward pass's check); the recurrent layers' in plain operators
 #: (``flguard.risk.recurrent``: each step's W_hh a use of one fully connected layer, its biases per-sample leaves), and
@@ -80,6 +83,8 @@ class PerSampleParameters(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.conv2d:
             return self._conv2d(*args, **kwargs)
+        if func is F.conv1d:
+            return self._conv1d(*args, **kwargs)
         if func is F.group_norm:
             return self._group_norm(*args, **kwargs)
         if func is F.linear:
@@ -144,15 +149,18 @@ class PerSampleParameters(TorchFunctionMode):
             return None if p is None else p.reshape(1, -1, *([1] * (dims - 2)))
         return p.reshape(self.batch, -1, *([1] * (dims - 2)))
 
-    def _ghost(self, layer: Convolution, input: torch.Tensor, where: str) -> torch.Tensor:
+    def _ghost(self, layer: Convolution, input: torch.Tensor, where: str,
+               source: torch.Tensor | None = None) -> torch.Tensor:
         """``layer``'s output through ``GhostConv2d``, the layer recorded: one use of its shared weight, which may be
         used again — a recurrent weight at every step, a layer applied twice (``weight_dot`` takes its uses as one
-        layer) — by the same kind of layer with the same groups."""
+        layer) — by the same kind of layer with the same groups. ``source``: the tensor the model handed the layer where
+        ``input`` is a view of it (a 1-D convolution's input as a map one row high)."""
         for seen in self.layers:
-            if seen.weight is layer.weight and (type(seen) is not type(layer) or seen.groups != layer.groups):
+            if seen.name == layer.name and (type(seen) is not type(layer) or seen.groups != layer.groups
+                                            or seen.weight.shape != layer.weight.shape):
                 raise Unsupported(f"{layer.name} is used by two kinds of layers")
         self._batched(input, where)
-        layer.reads_input = input is self.model_input  # pass 2 then skips its input gradient
+        layer.reads_input = (source if source is not None else input) is self.model_input  # pass 2 skips its gradient
         self.layers.append(layer)
         return GhostConv2d.apply(input, layer.token, layer)
 
@@ -170,6 +178,23 @@ class PerSampleParameters(TorchFunctionMode):
         layer = Convolution(weight, self.weights[id(weight)], (_pair(stride), _pair(padding), _pair(dilation)),
                             self._token(input), collecting=self.collecting, groups=groups)
         return self._ghost(layer, input, "a convolution") + self._bias(bias, 4)
+
+    def _conv1d(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: Any = 1,
+                padding: Any = 0, dilation: Any = 1, groups: int = 1) -> torch.Tensor:
+        """A 1-D convolution (a time series' [B, C, L]) as the 2-D one of a map one row high: its weight [O, I/G, k]
+        viewed as [O, I/G, 1, k], the same numbers in the same order, so its per-sample gradient is the 2-D one's."""
+        if id(weight) in self.per_sample or id(weight) in self.dense:
+            raise Unsupported(f"conv1d takes {self._name(weight)} as its weight")
+        if id(weight) not in self.weights:
+            return F.conv1d(input, weight, None, stride, padding, dilation, groups) + self._bias(bias, 3)
+        if isinstance(padding, str) or input.dim() != 3:
+            raise Unsupported(f"the convolution of {self.weights[id(weight)]}: 'same' padding or no batch")
+        settings = tuple((1, _single(value)[0]) for value in (stride, 0, dilation))
+        settings = (settings[0], (0, _single(padding)[0]), settings[2])
+        layer = Convolution(weight.unsqueeze(2), self.weights[id(weight)], settings, self._token(input),
+                            collecting=self.collecting, groups=groups)
+        out = self._ghost(layer, input.unsqueeze(2), "a convolution", source=input)
+        return out.squeeze(2) + self._bias(bias, 3)
 
     def _bias(self, bias: torch.Tensor | None, dims: int) -> torch.Tensor | float:
         shaped = self._shaped(bias, dims)

@@ -236,8 +236,9 @@ class GhostKmv:
                 if g is not None:
                     total[name] += g.sum(0)
             for layer in graph.layers:
-                for a, b in layer.pairs:
-                    total[layer.name] += layer.weight_gradient(a, layer.first[1].detach() if b is None else b)
+                for a, b in layer.pairs:  # (a 1-D convolution's 2-D view of its weight: the same numbers)
+                    part = layer.weight_gradient(a, layer.first[1].detach() if b is None else b)
+                    total[layer.name] += part.reshape(total[layer.name].shape)
                 layer.pairs = []
         return torch.cat([t.reshape(-1) for t in total.values()])
 
@@ -282,13 +283,14 @@ class GhostKmv:
 
 
 def shared_weights(model: nn.Module) -> dict[str, bool]:
-    """The parameters the batched product keeps shared, by name: each ``nn.Conv2d``'s weight (False), each
-    ``nn.Linear``'s, each ``nn.MultiheadAttention``'s packed input projection and a recurrent layer's or cell's
-    weights — input, recurrent and projection, each layer and direction (True: fully connected)."""
+    """The parameters the batched product keeps shared, by name: each ``nn.Conv1d``'s and ``nn.Conv2d``'s weight
+    (False: a 1-D convolution runs as a 2-D one a row high), each ``nn.Linear``'s, each ``nn.MultiheadAttention``'s
+    packed input projection and a recurrent layer's or cell's weights — input, recurrent and projection, each layer
+    and direction (True: fully connected)."""
     shared = {}
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
-        if isinstance(module, (nn.Conv2d, nn.Linear)):
+        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Linear)):
             shared[prefix + "weight"] = isinstance(module, nn.Linear)
         elif isinstance(module, nn.MultiheadAttention) and module.in_proj_weight is not None:
             shared[prefix + "in_proj_weight"] = True

@@ -18,8 +18,9 @@ the noise's norm (median and largest over the sent steps), the share of each bat
     OMP_NUM_THREADS=1 python benchmarks/bench_guard_models.py --models resnet18_gn --batch 8 --steps 10
     python benchmarks/bench_guard_models.py --device cuda --models cnn,resnet20_gn,resnet18_gn
 
-Models: ``cnn`` (Flower's quickstart CNN), ``dropout_cnn`` (PyTorch's MNIST example) and ``lstm_rows`` (an LSTM over
-the image's rows; ``--train-steps 600`` trains it to about 80%) on ``mnist5k``; ``resnet20_gn`` and ``resnet18_gn``
+Models: ``cnn`` (Flower's quickstart CNN), ``dropout_cnn`` (PyTorch's MNIST example), ``lstm_rows`` (an LSTM over
+the image's rows; ``--train-steps 600`` trains it to about 80%) and ``conv1d_rows`` (1-D convolutions over the rows as a
+time series) on ``mnist5k``; ``resnet20_gn`` and ``resnet18_gn``
 (GroupNorm) on ``photos32`` (offline 32×32 colour crops); torchvision's ``mobilenet_v3_small``, ``shufflenet_v2_x0_5``,
 ``regnet_x_400mf``, ``efficientnet_b0`` and ``convnext_tiny`` (depthwise or grouped convolutions; LayerNorm and layer
 scales in ConvNeXt) and ``vit_tiny32`` (torchvision's VisionTransformer for 32×32 images, ``TORCHVISION_ARGS``) through
@@ -46,10 +47,11 @@ TORCHVISION = ("mobilenet_v3_small", "shufflenet_v2_x0_5", "regnet_x_400mf", "ef
 #: token; DeiT-tiny's width, heads and MLP, six blocks instead of twelve)
 TORCHVISION_ARGS = {"vit_tiny32": ("VisionTransformer", dict(image_size=32, patch_size=4, num_layers=6, num_heads=3,
                                                              hidden_dim=192, mlp_dim=768))}
-DATASETS = {"cnn": "mnist5k", "dropout_cnn": "mnist5k", "lstm_rows": "mnist5k", "resnet20_gn": "photos32",
-            "resnet18_gn": "photos32", "resnet8_gn": "photos32", **{name: "photos32" for name in TORCHVISION}}
-LEARNING_RATE = {"cnn": 0.05, "dropout_cnn": 0.05, "lstm_rows": 0.2, "resnet20_gn": 0.05, "resnet18_gn": 0.05,
-                 "resnet8_gn": 0.05, **{name: 0.003 for name in TORCHVISION}}
+DATASETS = {"cnn": "mnist5k", "dropout_cnn": "mnist5k", "lstm_rows": "mnist5k", "conv1d_rows": "mnist5k",
+            "resnet20_gn": "photos32", "resnet18_gn": "photos32", "resnet8_gn": "photos32",
+            **{name: "photos32" for name in TORCHVISION}}
+LEARNING_RATE = {"cnn": 0.05, "dropout_cnn": 0.05, "lstm_rows": 0.2, "conv1d_rows": 0.05, "resnet20_gn": 0.05,
+                 "resnet18_gn": 0.05, "resnet8_gn": 0.05, **{name: 0.003 for name in TORCHVISION}}
 
 
 def _task(name: str, train_steps: int, device: str, seed: int = 0):

@@ -153,6 +153,25 @@ class RowLSTM(nn.Module):
         return self.fc2(torch.relu(self.fc1(self.rnn(rows)[0][:, -1])))
 
 
+class RowConv1d(nn.Module):
+    """A 1-D convolutional network reading the image row by row as a time series (``image_size`` steps of
+    ``in_channels × image_size`` channels): three convolutions over time with GroupNorm, the second strided, then the
+    mean over time to a linear head — the shape of the sensor and ECG classifiers practitioners train, on the data
+    that ships offline."""
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int, width: int = 32) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv1d(in_channels * image_size, width, 5, padding=2), nn.GroupNorm(4, width), nn.ReLU(),
+            nn.Conv1d(width, 2 * width, 5, stride=2, padding=2), nn.GroupNorm(8, 2 * width), nn.ReLU(),
+            nn.Conv1d(2 * width, 2 * width, 3, padding=1), nn.ReLU())
+        self.head = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        steps = x.permute(0, 1, 3, 2).flatten(1, 2)  # (N, C·W, H): each row a time step
+        return self.head(self.features(steps).mean(2))
+
+
 def _mlp(in_channels: int, num_classes: int, image_size: int, hidden: int = 256) -> nn.Module:
     """Two-layer perceptron with a sigmoid hidden layer (smooth, like the I2F LeNet)."""
     return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size**2, hidden), nn.Sigmoid(),
@@ -183,6 +202,7 @@ _BUILDERS: dict[str, Callable[[int, int, int], nn.Module]] = {
     "cnn": QuickstartCNN,
     "dropout_cnn": DropoutCNN,
     "lstm_rows": RowLSTM,
+    "conv1d_rows": RowConv1d,
     "lenet": _lenet,
     **{name: _cnn(name) for name in CNN_VARIANTS},
     "mlp": _mlp,

@@ -280,22 +280,28 @@ def test_every_step_hands_its_freed_memory_back_to_the_os(monkeypatch):
     assert len(calls) == 2
 
 
+def _resident() -> int:
+    """This process's resident bytes."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def _fragmented_heap() -> list[torch.Tensor]:
+    """256 MB of 64 KB tensors (under glibc's mmap threshold: on the heap) freed but every 16th, which is returned to
+    keep alive: the heap cannot shrink from its top, and 240 MB of freed pages stay resident until trimmed."""
+    blocks = [torch.ones(16384) for _ in range(4096)]
+    return blocks[::16]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
 def test_release_freed_memory_returns_a_fragmented_heap_to_the_os():
-    """256 MB of 64 KB tensors (under glibc's mmap threshold: on the heap), every 16th kept alive so that the
-    heap cannot shrink from its top: the freed pages stay resident until ``release_freed_memory`` hands them back."""
+    """The freed pages of a fragmented heap stay resident until ``release_freed_memory`` hands them back."""
     from flguard.risk import sizing
 
-    def resident() -> int:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * 4096
-
-    blocks = [torch.ones(16384) for _ in range(4096)]
-    kept = blocks[::16]
-    del blocks
-    before = resident()
+    kept = _fragmented_heap()
+    before = _resident()
     sizing.release_freed_memory()
-    assert before - resident() > 128 * 2 ** 20
+    assert before - _resident() > 128 * 2 ** 20
     del kept
 
 
@@ -308,23 +314,16 @@ def test_release_freed_memory_keeps_a_heap_with_little_free(monkeypatch):
     sizing.release_freed_memory()  # glibc looked up
     if sizing._heap[1] is None:
         pytest.skip("glibc before 2.33: no mallinfo2, every heap is trimmed")
-
-    def resident() -> int:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * 4096
-
-    blocks = [torch.ones(16384) for _ in range(4096)]
-    kept = blocks[::16]
-    del blocks
+    kept = _fragmented_heap()
     free = sizing._heap[1]().fordblks
     assert free > 200 * 2 ** 20
     monkeypatch.setattr(sizing, "RELEASE_FROM_BYTES", free + 2 ** 30)
-    before = resident()
+    before = _resident()
     sizing.release_freed_memory()
-    assert abs(before - resident()) < 32 * 2 ** 20
+    assert abs(before - _resident()) < 32 * 2 ** 20
     monkeypatch.setattr(sizing, "RELEASE_FROM_BYTES", free // 2)
     sizing.release_freed_memory()
-    assert before - resident() > 128 * 2 ** 20
+    assert before - _resident() > 128 * 2 ** 20
     del kept
 
 

@@ -167,14 +167,20 @@ class PerSampleParameters(TorchFunctionMode):
     def _token(self, input: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=input.dtype, device=input.device, requires_grad=True)
 
+    def _shared_convolution(self, weight: torch.Tensor, input: torch.Tensor, padding: Any, dims: int) -> bool:
+        """Whether a convolution's weight is one the product keeps shared (else a buffer or a frozen tensor: run as it
+        is); a parameter taken per sample or as a fully connected weight, 'same' padding or an input of another rank
+        raise ``Unsupported``."""
+        if id(weight) in self.per_sample or id(weight) in self.dense:
+            raise Unsupported(f"a convolution takes {self._name(weight)} as its weight")
+        if id(weight) in self.weights and (isinstance(padding, str) or input.dim() != dims):
+            raise Unsupported(f"the convolution of {self.weights[id(weight)]}: 'same' padding or no batch")
+        return id(weight) in self.weights
+
     def _conv2d(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: Any = 1,
                 padding: Any = 0, dilation: Any = 1, groups: int = 1) -> torch.Tensor:
-        if id(weight) in self.per_sample or id(weight) in self.dense:
-            raise Unsupported(f"conv2d takes {self._name(weight)} as its weight")
-        if id(weight) not in self.weights:
+        if not self._shared_convolution(weight, input, padding, 4):
             return F.conv2d(input, weight, None, stride, padding, dilation, groups) + self._bias(bias, 4)
-        if isinstance(padding, str) or input.dim() != 4:
-            raise Unsupported(f"the convolution of {self.weights[id(weight)]}: 'same' padding or no batch")
         layer = Convolution(weight, self.weights[id(weight)], (_pair(stride), _pair(padding), _pair(dilation)),
                             self._token(input), collecting=self.collecting, groups=groups)
         return self._ghost(layer, input, "a convolution") + self._bias(bias, 4)
@@ -183,12 +189,8 @@ class PerSampleParameters(TorchFunctionMode):
                 padding: Any = 0, dilation: Any = 1, groups: int = 1) -> torch.Tensor:
         """A 1-D convolution (a time series' [B, C, L]) as the 2-D one of a map one row high: its weight [O, I/G, k]
         viewed as [O, I/G, 1, k], the same numbers in the same order, so its per-sample gradient is the 2-D one's."""
-        if id(weight) in self.per_sample or id(weight) in self.dense:
-            raise Unsupported(f"conv1d takes {self._name(weight)} as its weight")
-        if id(weight) not in self.weights:
+        if not self._shared_convolution(weight, input, padding, 3):
             return F.conv1d(input, weight, None, stride, padding, dilation, groups) + self._bias(bias, 3)
-        if isinstance(padding, str) or input.dim() != 3:
-            raise Unsupported(f"the convolution of {self.weights[id(weight)]}: 'same' padding or no batch")
         settings = tuple((1, _single(value)[0]) for value in (stride, 0, dilation))
         settings = (settings[0], (0, _single(padding)[0]), settings[2])
         layer = Convolution(weight.unsqueeze(2), self.weights[id(weight)], settings, self._token(input),

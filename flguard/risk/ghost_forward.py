@@ -191,8 +191,7 @@ class PerSampleParameters(TorchFunctionMode):
         viewed as [O, I/G, 1, k], the same numbers in the same order, so its per-sample gradient is the 2-D one's."""
         if not self._shared_convolution(weight, input, padding, 3):
             return F.conv1d(input, weight, None, stride, padding, dilation, groups) + self._bias(bias, 3)
-        settings = tuple((1, _single(value)[0]) for value in (stride, 0, dilation))
-        settings = (settings[0], (0, _single(padding)[0]), settings[2])
+        settings = ((1, _single(stride)[0]), (0, _single(padding)[0]), (1, _single(dilation)[0]))
         layer = Convolution(weight.unsqueeze(2), self.weights[id(weight)], settings, self._token(input),
                             collecting=self.collecting, groups=groups)
         out = self._ghost(layer, input.unsqueeze(2), "a convolution", source=input)

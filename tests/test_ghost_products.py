@@ -2,7 +2,8 @@
 Jacobians: a channels-last 3-channel GroupNorm ResNet-shaped model with every convolution setting the rewrite handles
 (grouped and depthwise included) and a ConvNeXt-shaped one (LayerNorm, a layer scale, a position embedding), both ways
 of taking a convolution's inner product (Gram matrices, formed weight), graphs kept or rebuilt in chunks, and a
-ViT-shaped one (a class token, self-attention batch first and sequence first); torchvision's MobileNetV3, ConvNeXt and
+ViT-shaped one (a class token, self-attention batch first and sequence first), 1-D convolutions, and weights used
+several times (a convolution applied twice, recurrent layers and cells); torchvision's MobileNetV3, ConvNeXt and
 VisionTransformer against the one-sample loop; and the models it refuses, whose products stay the loop's."""
 
 from __future__ import annotations
@@ -233,9 +234,8 @@ def test_ghost_k_product_matches_the_dense_jacobian(gram, kept, shape, monkeypat
     dense float64 Jacobians, on a ResNet-shaped model (grouped and depthwise convolutions among the settings), a
     ConvNeXt-shaped one (LayerNorm, a layer scale, a position embedding), a ViT-shaped one (a class token,
     ``nn.MultiheadAttention`` batch first and sequence first), a time series' 1-D convolutions, and models that use
-    one weight several times — a
-    convolution applied twice, recurrent layers and a cell stepped by hand (W_hh at each of 6 steps): the cross terms
-    between a weight's uses are in every product."""
+    one weight several times — a convolution applied twice, recurrent layers and a cell stepped by hand (W_hh at each
+    of 6 steps): the cross terms between a weight's uses are in every product."""
     monkeypatch.setattr(ghost_convolutions, "ghost_cheaper", lambda layer, positions=None: gram)
     if not kept:
         monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)

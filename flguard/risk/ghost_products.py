@@ -29,10 +29,12 @@ convolutions on a CPU. Measured on ResNet-18-GN at B = 8, one CPU thread (docs/r
 product 0.48× the one-at-a-time loop's, to 1.5e-6; with ``products="ghost"`` (``flguard.risk.direct``) it also serves
 batches the cached pullbacks would hold ("Ghost products on small models").
 
-Supported: trainable parameters in ``nn.Conv2d`` (numeric padding, any groups — a grouped or depthwise convolution
-always forms its per-sample weight, G times smaller than an ungrouped one's; a padding mode's ``F.pad`` runs before
-the convolution), ``nn.GroupNorm``, ``nn.LayerNorm`` and ``nn.Linear``, each weight used once, and parameters that
-enter an elementwise product or sum beside the activations, broadcast over the batch (a layer scale, an added position
+Supported: trainable parameters in ``nn.Conv2d`` and ``nn.Conv1d`` (numeric padding, any groups — a grouped or
+depthwise convolution always forms its per-sample weight, G times smaller than an ungrouped one's; a padding mode's
+``F.pad`` runs before the convolution), ``nn.GroupNorm``, ``nn.LayerNorm``, ``nn.Linear``, self-attention's packed
+projection, the recurrent layers and cells — a weight used several times (a recurrent weight at each step, a layer
+applied twice) taken as one layer whose positions are all its uses' (``weight_dot``) — and parameters that enter an
+elementwise product or sum beside the activations, broadcast over the batch (a layer scale, an added position
 embedding: ``flguard.risk.ghost_forward``). A model with any other parameterised PyTorch layer, or a forward pass
 that hands a parameter to any other function (checked on every call of the pass that builds the graph, and on one
 sample first, where a tensor whose first dimension is not the samples' no longer has the batch's rows), raises

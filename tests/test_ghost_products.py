@@ -210,6 +210,23 @@ class _Series(nn.Module):
         return self.head(torch.tanh(self.reflect(torch.tanh(self.grouped(z)))).mean(2))
 
 
+class _ProjectedConstant(nn.Module):
+    """Features gated by a projection of a constant expanded to the batch: a fully connected layer whose input the
+    batch does not reach, but whose weight's per-sample gradient δ_i ⊗ c does depend on x_i (pass 1 once pruned it,
+    and the products dropped that term)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.gate = nn.Linear(5, 4)
+        self.register_buffer("constant", torch.randn(1, 5))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = torch.tanh(self.conv(x)).mean((2, 3))
+        return self.head(features * self.gate(self.constant.expand(x.shape[0], -1)))
+
+
 def _recurrent_model(cell: str, **settings) -> nn.Module:
     torch.manual_seed(0)
     return _Recurrent(cell, **settings).double()
@@ -219,6 +236,7 @@ SHAPES = {"ResNet": lambda: _model(), "ConvNeXt": lambda: _convnext_model(), "Vi
           "ViT sequence first": lambda: _vit_model(batch_first=False),
           "a convolution used twice": lambda: _TwiceUsed().double(),
           "1-D convolutions": lambda: (torch.manual_seed(0), _Series().double())[1],
+          "a projection of a constant": lambda: (torch.manual_seed(0), _ProjectedConstant().double())[1],
           "LSTM": lambda: _recurrent_model("LSTM"),
           "stacked LSTM with a projection": lambda: _recurrent_model("LSTM", num_layers=2, proj_size=3),
           "bidirectional GRU": lambda: _recurrent_model("GRU", bidirectional=True),
@@ -233,9 +251,10 @@ def test_ghost_k_product_matches_the_dense_jacobian(gram, kept, shape, monkeypat
     """The K product, the clipping's images, J of a shared vector, the per-sample gradients and the summed Jᵀ against
     dense float64 Jacobians, on a ResNet-shaped model (grouped and depthwise convolutions among the settings), a
     ConvNeXt-shaped one (LayerNorm, a layer scale, a position embedding), a ViT-shaped one (a class token,
-    ``nn.MultiheadAttention`` batch first and sequence first), a time series' 1-D convolutions, and models that use
-    one weight several times — a convolution applied twice, recurrent layers and a cell stepped by hand (W_hh at each
-    of 6 steps): the cross terms between a weight's uses are in every product."""
+    ``nn.MultiheadAttention`` batch first and sequence first), a time series' 1-D convolutions, a layer whose input the
+    batch does not reach, and models that use one weight several times — a convolution applied twice, recurrent layers
+    and a cell stepped by hand (W_hh at each of 6 steps): the cross terms between a weight's uses are in every
+    product."""
     monkeypatch.setattr(ghost_convolutions, "ghost_cheaper", lambda layer, positions=None: gram)
     if not kept:
         monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)

@@ -88,8 +88,9 @@ def takes_cached(dtheta: int, batch: int, device: torch.device, element_size: in
 RELEASE_FREED_MEMORY = True
 #: ... only where the heap holds at least this many free bytes (glibc's ``mallinfo2``: ``fordblks``). Pages handed
 #: back are faulted in again when the next step reuses them, so a step that frees little keeps them: the quickstart
-#: CNN at B = 32 leaves 28–35 MB free after each step and trimming them cost its step about 5% on the AMD EPYC CPU
-#: (docs/results.md, "Small costs that grew on a faster CPU"); a ResNet-18-GN step at B = 8 leaves 340–400 MB.
+#: CNN at B = 32 leaves 28–35 MB free after each step and trimming them cost its step about 7% on an AVX-512 AMD EPYC
+#: (docs/results.md, "Weights used several times, … and costs that grew on a faster CPU"); a ResNet-18-GN step at
+#: B = 8 leaves 340–400 MB.
 RELEASE_FROM_BYTES = 2 ** 26
 _heap: list = []  # (glibc's malloc_trim, its mallinfo2 or None), or (None, None) where there is none (looked up once)
 

@@ -244,18 +244,28 @@ SHAPES = {"ResNet": lambda: _model(), "ConvNeXt": lambda: _convnext_model(), "Vi
           "LSTMCell stepped by hand": lambda: (torch.manual_seed(0), _CellLoop().double())[1]}
 
 
-@pytest.mark.parametrize("gram", [True, False], ids=["Gram matrices", "formed weight"])
-@pytest.mark.parametrize("kept", [True, False], ids=["graphs kept", "rebuilt in chunks of 2"])
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_ghost_k_product_matches_the_dense_jacobian(gram, kept, shape, monkeypatch):
+#: The shapes with convolutions, whose formed weight can also run with the batch folded into a convolution's groups
+CONVOLUTIONAL = ("ResNet", "ConvNeXt", "a convolution used twice", "1-D convolutions", "a projection of a constant")
+ROUTES = {"Gram matrices": (True, False), "formed weight on patches": (False, False),
+          "formed weight by grouped convolutions": (False, True)}
+
+
+@pytest.mark.parametrize("route,kept,shape", [
+    (route, kept, shape) for route in ROUTES for kept in (True, False) for shape in SHAPES
+    if not ROUTES[route][1] or (kept and shape in CONVOLUTIONAL)],
+    ids=lambda value: {True: "graphs kept", False: "rebuilt in chunks of 2"}.get(value, value))
+def test_ghost_k_product_matches_the_dense_jacobian(route, kept, shape, monkeypatch):
     """The K product, the clipping's images, J of a shared vector, the per-sample gradients and the summed Jᵀ against
     dense float64 Jacobians, on a ResNet-shaped model (grouped and depthwise convolutions among the settings), a
     ConvNeXt-shaped one (LayerNorm, a layer scale, a position embedding), a ViT-shaped one (a class token,
     ``nn.MultiheadAttention`` batch first and sequence first), a time series' 1-D convolutions, a layer whose input the
     batch does not reach, and models that use one weight several times — a convolution applied twice, recurrent layers
     and a cell stepped by hand (W_hh at each of 6 steps): the cross terms between a weight's uses are in every
-    product."""
+    product. The formed weight both on patches and as grouped convolutions of the batch (every layer, 1×1 and few
+    channels included, where the rule takes patches)."""
+    gram, folded = ROUTES[route]
     monkeypatch.setattr(ghost_convolutions, "ghost_cheaper", lambda layer, positions=None: gram)
+    monkeypatch.setattr(ghost_convolutions.Convolution, "folds_batch", lambda layer: folded)
     if not kept:
         monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)
     model = SHAPES[shape]()

@@ -86,6 +86,29 @@ class Convolution:
         return torch.bmm(_by_group(outputs, self.groups), _by_group(patches, self.groups).transpose(1, 2)).reshape(
             outputs.shape[0], outputs.shape[1], -1)
 
+    def folds_batch(self) -> bool:
+        """Whether the formed route runs as convolutions with the batch folded into the groups (``sample_weights``,
+        ``sample_convolve``) rather than on patches: a kernel wider than one position on an input of at least
+        GROUPED_FROM_CHANNELS channels per group, and at least as many output positions as those channels."""
+        channels = self.weight.shape[1]
+        return channels >= GROUPED_FROM_CHANNELS and self.weight[0, 0].numel() > 1 and self.positions() >= channels
+
+    def sample_weights(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """[B·O, I/G, k_h, k_w]: each sample's wgrad(a_i, b_i) (output-shaped ``a``, input-shaped ``b``), the weight
+        gradient of one convolution whose groups are the samples' (and each sample's own G), in the weight's layout."""
+        stride, padding, dilation = self.settings
+        batch, shape = b.shape[0], self.weight.shape
+        return torch.nn.grad.conv2d_weight(b.reshape(1, -1, *b.shape[2:]), (batch * shape[0], *shape[1:]),
+                                           a.reshape(1, -1, *a.shape[2:]), stride, padding, dilation,
+                                           batch * self.groups)
+
+    def sample_convolve(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """[B, O, …]: each sample's input convolved with its own weight (``weights`` [B·O, I/G, k_h, k_w])."""
+        stride, padding, dilation = self.settings
+        out = F.conv2d(x.reshape(1, -1, *x.shape[2:]), weights, None, stride, padding, dilation,
+                       x.shape[0] * self.groups)
+        return out.reshape(x.shape[0], -1, *out.shape[2:])
+
     def applied(self, weights: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
         """[B, O, P]: each sample's weight ``weights`` [B, O, I·k²/G] applied to its ``patches`` [B, I·k², P]."""
         return torch.bmm(_by_group(weights, self.groups), _by_group(patches, self.groups)).reshape(
@@ -118,6 +141,9 @@ class Dense(Convolution):
     def positions(self) -> int:
         return self.first[0][0, ..., 0].numel()
 
+    def folds_batch(self) -> bool:
+        return False
+
 
 #: ``Convolution.transposed`` on an input of at most this many channels: Wᵀg and ``F.fold``, not oneDNN's transposed
 #: convolution, slow into few channels: on one CPU thread the quickstart CNN's first layer (6 → 1 channel, 5×5, 24×24)
@@ -125,6 +151,15 @@ class Dense(Convolution):
 #: channels, 32×32) at B = 8 1.6 against 2.9 ms; its second layer (16 → 6 channels) is slower this way (1.3 against
 #: 0.7).
 FOLD_INPUT_CHANNELS = 3
+
+#: The formed weight (``pair_dot``, the per-sample gradients) as convolutions with the batch folded into the groups —
+#: each sample's weight a grouped weight gradient, applied by one grouped convolution — on inputs of at least this many
+#: channels per group and maps of at least as many positions (``Convolution.folds_batch``): there oneDNN's grouped
+#: kernels beat copying patches and multiplying them. Measured on one CPU thread (docs/results.md, "The formed weight
+#: by grouped convolutions"): a pair's dot product and its input gradient on [8, 64, 32, 32] 3×3 0.58×, [8, 128, 16,
+#: 16] 0.83×, [32, 16, 32, 32] 0.42× the patches' time; [8, 256, 8, 8] (fewer positions than channels) 1.58×, few
+#: channels ([32, 6, 12, 12] 5×5) 1.37×, 1×1 kernels 1.65×.
+GROUPED_FROM_CHANNELS = 16
 
 #: ``Convolution.input_patches`` keeps a layer's patches of pass 1's input for the graph's later products up to this
 #: many bytes (the quickstart CNN's two convolutions at B = 32: 1.8 and 1.2 MB; the larger maps of a ResNet's early
@@ -253,6 +288,12 @@ def pair_dot(layer: Convolution, ghost: bool) -> torch.Tensor:
         for a, b in layer.pairs:
             total = total + ((delta * a).sum(1) * (x * (fixed if b is None else b)).sum(1)).sum()
         return total
+    if not ghost and layer.folds_batch():  # the formed weight by convolutions, no patches
+        weight = None
+        for a, b in layer.pairs:
+            part = layer.sample_weights(a, x.detach() if b is None else b)
+            weight = part if weight is None else weight + part
+        return (layer.sample_convolve(x, weight) * delta).sum()
     deltas = layer.outputs(delta)  # [B, O, P]
     patches = layer.input_patches()  # [B, I·k², P]
     fixed = patches.detach()

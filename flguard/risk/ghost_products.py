@@ -222,7 +222,8 @@ class GhostKmv:
             for layer in graph.layers:
                 if layer.first is not None:
                     delta, x = (t.detach() for t in layer.first)
-                    weight = layer.per_sample_weights(layer.outputs(delta), layer.patches(x))
+                    weight = (layer.sample_weights(delta, x) if layer.folds_batch() else
+                              layer.per_sample_weights(layer.outputs(delta), layer.patches(x)))
                     rows[:, columns[layer.name]] += weight.reshape(rows.shape[0], -1)  # summed over its uses
         return out
 

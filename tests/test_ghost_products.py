@@ -143,6 +143,25 @@ class _ViT(nn.Module):
         return self.head(self.norm(tokens)[:, 0])
 
 
+class _CrossAttention(nn.Module):
+    """Cross-attention as an encoder-decoder writes it: the image's 16 patch tokens split in two, the first half
+    attending to the second through ``nn.MultiheadAttention`` with biases — one packed projection applied to queries,
+    keys and values, or (``separate``) keys and values of their own width through q's, k's and v's own weights."""
+
+    def __init__(self, separate: bool) -> None:
+        super().__init__()
+        self.patches = nn.Conv2d(3, 4, 2, stride=2)
+        self.memory = nn.Linear(4, 6 if separate else 4)
+        width = 6 if separate else None
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True, kdim=width, vdim=width)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = torch.tanh(self.patches(x).flatten(2).transpose(1, 2))
+        memory = torch.tanh(self.memory(tokens[:, 8:]))
+        return self.head(self.attention(tokens[:, :8], memory, memory, need_weights=False)[0].mean(1))
+
+
 def _vit_model(batch_first: bool = True) -> nn.Module:
     torch.manual_seed(0)
     return _ViT(batch_first).double()
@@ -234,6 +253,9 @@ def _recurrent_model(cell: str, **settings) -> nn.Module:
 
 SHAPES = {"ResNet": lambda: _model(), "ConvNeXt": lambda: _convnext_model(), "ViT": lambda: _vit_model(),
           "ViT sequence first": lambda: _vit_model(batch_first=False),
+          "cross-attention": lambda: (torch.manual_seed(0), _CrossAttention(separate=False).double())[1],
+          "cross-attention, q, k and v weights of their own": lambda: (torch.manual_seed(0),
+                                                                      _CrossAttention(separate=True).double())[1],
           "a convolution used twice": lambda: _TwiceUsed().double(),
           "1-D convolutions": lambda: (torch.manual_seed(0), _Series().double())[1],
           "a projection of a constant": lambda: (torch.manual_seed(0), _ProjectedConstant().double())[1],
@@ -258,7 +280,8 @@ def test_ghost_k_product_matches_the_dense_jacobian(route, kept, shape, monkeypa
     """The K product, the clipping's images, J of a shared vector, the per-sample gradients and the summed Jᵀ against
     dense float64 Jacobians, on a ResNet-shaped model (grouped and depthwise convolutions among the settings), a
     ConvNeXt-shaped one (LayerNorm, a layer scale, a position embedding), a ViT-shaped one (a class token,
-    ``nn.MultiheadAttention`` batch first and sequence first), a time series' 1-D convolutions, a layer whose input the
+    ``nn.MultiheadAttention`` batch first and sequence first), cross-attention (the packed projection, or q's, k's and
+    v's weights of their own), a time series' 1-D convolutions, a layer whose input the
     batch does not reach, and models that use one weight several times — a convolution applied twice, recurrent layers
     and a cell stepped by hand (W_hh at each of 6 steps): the cross terms between a weight's uses are in every
     product. The formed weight both on patches and as grouped convolutions of the batch (every layer, 1×1 and few
@@ -491,24 +514,23 @@ class _RowByRow(nn.Module):
         return self.head(torch.tanh(self.conv(x).flatten(1) + self.rows))
 
 
-class _CrossAttention(nn.Module):
-    """Attention whose keys and values are not its queries: the packed input projection is split by weight, three
-    uses of one weight, which the batched product does not take."""
+class _TiedTranspose(nn.Module):
+    """A fully connected layer whose weight is used again transposed, as a tied decoder (or tied embeddings) uses it:
+    the batched product does not take it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.patches = nn.Conv2d(3, 4, 2, stride=2)
-        self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.encode = nn.Linear(4, 6)
         self.head = nn.Linear(4, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = self.patches(x).flatten(2).transpose(1, 2)
-        context = torch.tanh(tokens)
-        return self.head(self.attention(tokens, context, context, need_weights=False)[0].mean(1))
+        codes = torch.tanh(self.encode(self.patches(x).flatten(2).transpose(1, 2)))
+        return self.head(F.linear(codes, self.encode.weight.t()).mean(1))
 
 
 @pytest.mark.parametrize("case", ["BatchNorm in eval mode", "a weight used elsewhere", "'same' padding",
-                                  "cross-attention"])
+                                  "a weight used transposed"])
 def test_models_the_ghost_product_refuses_keep_the_loop(case):
     torch.manual_seed(0)
     if case == "BatchNorm in eval mode":
@@ -521,7 +543,7 @@ def test_models_the_ghost_product_refuses_keep_the_loop(case):
         model(torch.randn(2, 3, 8, 9))
         static = "1: a 'same'-padded convolution"
     else:
-        model = {"a weight used elsewhere": _ScaledNorm, "cross-attention": _CrossAttention}[case]()
+        model = {"a weight used elsewhere": _ScaledNorm, "a weight used transposed": _TiedTranspose}[case]()
         static = None
     model = model.double()
     assert ghost_support(model) == static
@@ -534,7 +556,7 @@ def test_models_the_ghost_product_refuses_keep_the_loop(case):
     if static is None:  # refused by the forward pass's check, and said why
         assert op.ghost_products
         expected = {"a weight used elsewhere": "takes the parameter norm",
-                    "cross-attention": "chunk takes the parameter attention.in_proj_weight"}[case]
+                    "a weight used transposed": "t takes the parameter encode.weight"}[case]
         assert expected in op.ghost_refused
         with pytest.raises(Unsupported, match=expected.split(" is")[0]):
             GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)

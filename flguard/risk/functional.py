@@ -143,8 +143,9 @@ def _multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           drop: AttentionDropout | None = None) -> tuple | None:
     """``F.multi_head_attention_forward`` on batched (L, N, E) inputs with ``_softmax`` (module doc), the attention
     weights dropped by ``drop`` while training (as PyTorch drops them: after the softmax, the weights returned too).
-    The projections run batch first, self-attention's as one product with the packed weight (the batched K product's
-    fully connected layers: ``flguard.risk.ghost_forward``);
+    The projections run batch first, self-attention's as one product with the packed weight, cross-attention's with
+    every parameter whole (``_cross_projections``): the batched K product's fully connected layers
+    (``flguard.risk.ghost_forward``);
     None (PyTorch's own) for what ``nn.MultiheadAttention`` seldom uses: dropout while training without ``drop``,
     bias_k/bias_v, zero attention, static keys, or a causal hint without its mask."""
     dropped = dropout_p > 0 and training
@@ -155,14 +156,10 @@ def _multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if not use_separate_proj_weight and query is key and key is value:  # self-attention: one packed projection
         packed = F.linear(query.transpose(0, 1), in_proj_weight, in_proj_bias)  # (N, L, 3E), batch first
         q, k, v = (t.reshape(batch, length, heads, embed // heads).transpose(1, 2) for t in packed.chunk(3, -1))
-    else:
-        if use_separate_proj_weight:
-            weights = (q_proj_weight, k_proj_weight, v_proj_weight)
-        else:
-            weights = in_proj_weight.chunk(3)
-        biases = in_proj_bias.chunk(3) if in_proj_bias is not None else (None, None, None)
-        q, k, v = (F.linear(t, w, b).reshape(t.shape[0], batch, heads, embed // heads).permute(1, 2, 0, 3)
-                   for t, w, b in zip((query, key, value), weights, biases))
+    else:  # each of q, k, v from its own input, batch first; no slice of a parameter (``_cross_projections``)
+        q, k, v = (t.reshape(batch, t.shape[1], heads, embed // heads).transpose(1, 2) for t in _cross_projections(
+            (query, key, value), embed, in_proj_weight, in_proj_bias, use_separate_proj_weight,
+            (q_proj_weight, k_proj_weight, v_proj_weight)))
     scores = q @ k.transpose(-2, -1) * (embed // heads) ** -0.5  # (N, H, L, S)
     if attn_mask is not None:
         mask = _additive(attn_mask, scores)
@@ -176,6 +173,25 @@ def _multi_head_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if not need_weights:
         return out, None
     return out, attention.mean(1) if average_attn_weights else attention
+
+
+def _cross_projections(inputs: tuple, embed: int, in_proj_weight: torch.Tensor | None,
+                       in_proj_bias: torch.Tensor | None, separate: bool, weights: tuple) -> list[torch.Tensor]:
+    """q, k and v [N, ·, E] of cross-attention's (L, N, ·) inputs: the packed weight applied whole to each input and its
+    third of the output kept, or the three weights of their own (``kdim``/``vdim``) with each its third of the packed
+    bias added to its output padded to 3E and cut back — the same numbers as PyTorch's chunks of the parameters, with
+    every parameter used whole, so that the batched K product (``flguard.risk.ghost_forward``) takes the packed weight
+    as three uses of one fully connected layer and the bias as a per-sample one (at three times the packed projection's
+    cost, an E-wide input's)."""
+    thirds = [slice(j * embed, (j + 1) * embed) for j in range(3)]
+    batch_first = [t.transpose(0, 1) for t in inputs]
+    if not separate:
+        return [F.linear(t, in_proj_weight, in_proj_bias)[..., third] for t, third in zip(batch_first, thirds)]
+    projected = [F.linear(t, w) for t, w in zip(batch_first, weights)]
+    if in_proj_bias is None:
+        return projected
+    return [(F.pad(p, (j * embed, (2 - j) * embed)) + in_proj_bias)[..., third]
+            for j, (p, third) in enumerate(zip(projected, thirds))]
 
 
 class _TwiceDifferentiable(TorchFunctionMode):

@@ -56,11 +56,11 @@ def ghost_support(model: nn.Module) -> str | None:
 
 #: The convolutions the batched product takes, by their own forward (a subclass's may do anything with the weight).
 _CONVOLUTION_FORWARDS = (nn.Conv1d.forward, nn.Conv2d.forward)
-#: PyTorch's layers whose parameters the batched product takes (besides the convolutions): attention's in self-attention
-#: with one packed input projection (``flguard.risk.functional``'s plain-operator attention; anything else that
-#: attention hands a parameter to is refused by the forward pass's check); the recurrent layers' in plain operators
-#: (``flguard.risk.recurrent``: each step's W_hh a use of one fully connected layer, its biases per-sample leaves), and
-#: their cell modules' (each call of the cell one more use of its weights).
+#: PyTorch's layers whose parameters the batched product takes (besides the convolutions): attention's, self- or
+#: cross-attention, its projections packed or not (``flguard.risk.functional``'s plain-operator attention; anything
+#: else that attention hands a parameter to is refused by the forward pass's check); the recurrent layers' in plain
+#: operators (``flguard.risk.recurrent``: each step's W_hh a use of one fully connected layer, its biases per-sample
+#: leaves), and their cell modules' (each call of the cell one more use of its weights).
 _REWRITTEN_FORWARDS = (nn.GroupNorm.forward, nn.LayerNorm.forward, nn.Linear.forward, nn.MultiheadAttention.forward,
                        nn.RNN.forward, nn.GRU.forward, nn.LSTM.forward, nn.RNNCell.forward, nn.GRUCell.forward,
                        nn.LSTMCell.forward)

@@ -31,12 +31,13 @@ batches the cached pullbacks would hold ("Ghost products on small models").
 
 Supported: trainable parameters in ``nn.Conv2d`` and ``nn.Conv1d`` (numeric padding, any groups — a grouped or
 depthwise convolution always forms its per-sample weight, G times smaller than an ungrouped one's; a padding mode's
-``F.pad`` runs before the convolution), ``nn.GroupNorm``, ``nn.LayerNorm``, ``nn.Linear``, self-attention's packed
-projection, the recurrent layers and cells — a weight used several times (a recurrent weight at each step, a layer
-applied twice) taken as one layer whose positions are all its uses' (``weight_dot``) — and parameters that enter an
-elementwise product or sum beside the activations, broadcast over the batch (a layer scale, an added position
-embedding: ``flguard.risk.ghost_forward``). A model with any other parameterised PyTorch layer, or a forward pass
-that hands a parameter to any other function (checked on every call of the pass that builds the graph, and on one
+``F.pad`` runs before the convolution), ``nn.GroupNorm``, ``nn.LayerNorm``, ``nn.Linear``, attention's projections
+(self-attention's packed one; in cross-attention the packed one applied to each input, three uses, or q's, k's and
+v's weights of their own), the recurrent layers and cells — a weight used several times (a recurrent weight at each
+step, a layer applied twice) taken as one layer whose positions are all its uses' (``weight_dot``) — and parameters
+that enter an elementwise product or sum beside the activations, broadcast over the batch (a layer scale, an added
+position embedding: ``flguard.risk.ghost_forward``). A model with any other parameterised PyTorch layer, or a forward
+pass that hands a parameter to any other function (checked on every call of the pass that builds the graph, and on one
 sample first, where a tensor whose first dimension is not the samples' no longer has the batch's rows), raises
 ``Unsupported``, and the operator keeps the one-at-a-time products.
 """
@@ -105,7 +106,7 @@ class GhostKmv:
         self.x, self.y = x, y
         self.draws = tuple(draws)  # the train-mode dropouts' multipliers, batch first (``flguard.risk.dropout_draws``)
         #: the weights that stay shared (never expanded per sample), by parameter name, True for a fully connected
-        #: layer's: convolutions', fully connected layers' and attention's packed input projection
+        #: layer's: convolutions', fully connected layers' and attention's input projections
         self.shared_weights = shared_weights(model)
         #: pass 1's bytes per sample: ``sample_bytes`` where a GhostKmv of the same model and input shape measured
         #: them (and checked its forward pass: a restricted copy's), else measured on one sample here — or at an
@@ -288,15 +289,16 @@ class GhostKmv:
 def shared_weights(model: nn.Module) -> dict[str, bool]:
     """The parameters the batched product keeps shared, by name: each ``nn.Conv1d``'s and ``nn.Conv2d``'s weight
     (False: a 1-D convolution runs as a 2-D one a row high), each ``nn.Linear``'s, each ``nn.MultiheadAttention``'s
-    packed input projection and a recurrent layer's or cell's weights — input, recurrent and projection, each layer
-    and direction (True: fully connected)."""
+    input projections (packed, or q's, k's and v's) and a recurrent layer's or cell's weights — input, recurrent and
+    projection, each layer and direction (True: fully connected)."""
     shared = {}
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
         if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Linear)):
             shared[prefix + "weight"] = isinstance(module, nn.Linear)
-        elif isinstance(module, nn.MultiheadAttention) and module.in_proj_weight is not None:
-            shared[prefix + "in_proj_weight"] = True
+        elif isinstance(module, nn.MultiheadAttention):  # the packed projection, or q's, k's and v's of their own
+            names = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+            shared.update({prefix + name: True for name in names if getattr(module, name) is not None})
         elif isinstance(module, nn.RNNBase):
             shared.update({prefix + name: True for name in module._flat_weights_names if name.startswith("weight")})
         elif isinstance(module, nn.RNNCellBase):

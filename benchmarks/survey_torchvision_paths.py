@@ -16,11 +16,10 @@ Writes ``benchmarks/results/survey_torchvision_paths.csv`` and prints the table.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from _common import write_table
+from _common import ms_per_call, write_table
 
 #: The networks surveyed by default, and the input size each is run at (the others: 64×64).
 MODELS = ("resnet18,resnet50,resnext50_32x4d,wide_resnet50_2,densenet121,mobilenet_v2,mobilenet_v3_small,"
@@ -41,9 +40,7 @@ def _model(name: str) -> torch.nn.Module:
 
 def _product_ms(op, u: torch.Tensor) -> float:
     op.kmv(u)  # the first builds what the path keeps for the step
-    start = time.perf_counter()
-    op.kmv(u)
-    return 1000 * (time.perf_counter() - start)
+    return ms_per_call(lambda: op.kmv(u), 1)
 
 
 def survey(name: str) -> dict:

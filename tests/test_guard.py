@@ -184,6 +184,53 @@ def test_auto_falls_back_on_the_gaussian_it_moved_too_far_when_the_aimed_noise_c
     assert guard._perturber._skip_first == perturb_module.AUTO_SKIP_STEPS  # the second step saw it again
 
 
+def test_auto_does_not_compute_the_gaussian_where_no_move_could_bring_its_average_under_the_limit(monkeypatch):
+    """Where even a zero move would leave the Gaussian's root mean square move over the limit, ``auto`` sends the aimed
+    noise without computing the Gaussian — its average then decays as for a zero move, the next steps try the aimed
+    noise first as after a far move — and where the aimed noise fails, computes the Gaussian after all and sends it,
+    its own move averaged."""
+    import flguard.guard.perturb as perturb_module
+    from flguard.defenses import DIRECTIONS
+
+    computed = []
+    one_run = perturb_module.Perturber._in_one_run
+
+    def counted(self, kind, *args):
+        computed.append(kind)
+        return one_run(self, kind, *args)
+
+    monkeypatch.setattr(perturb_module.Perturber, "_in_one_run", counted)
+    model, x, y, jac, g = _problem(3)
+    guard = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3))
+    guard._perturber._move_square = 0.2**2  # 18.7% after a zero move: over AUTO_MAX_MOVE (10%)
+    out = guard.protect(model, x, y, g, step_size=1e-6)
+    assert out.report.met and out.report.details["defense_used"] == "resolvent" and computed == []
+    assert ("gaussian: tried last (its moves' root mean square over the recent steps stays over 10% whatever this "
+            "step's move: 20.0% before it)") in out.report.details["auto_reasons"]
+    assert guard._perturber._move_square == pytest.approx(0.04 * 7 / 8, rel=1e-12)
+    assert guard._perturber._skip_first == perturb_module.AUTO_SKIP_STEPS
+    assert torch.all(_dense_rmse(jac, out.gradient - g, out.report.eps) >= TAU)
+    # at 10.6%, a zero move would bring the average to 9.9%: computed first, and sent (its move is a millionth)
+    near = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3))
+    near._perturber._move_square = 0.106**2
+    assert near.protect(model, x, y, g, step_size=1e-6).report.details["defense_used"] == "gaussian"
+    assert computed == ["gaussian"]
+
+    def failing(ctx):
+        raise RuntimeError("the aimed noise failed here")
+
+    monkeypatch.setitem(DIRECTIONS, "resolvent", failing)
+    guard = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3))
+    guard._perturber._move_square = 0.2**2
+    out = guard.protect(model, x, y, g, step_size=1e-6)
+    assert out.report.met and out.report.details["defense_used"] == "gaussian" and computed == ["gaussian"] * 2
+    assert "resolvent: RuntimeError: the aimed noise failed here" in out.report.details["auto_reasons"]
+    assert "gaussian: its noise would move" in out.report.details["auto_reasons"]
+    move = 1e-6 * out.report.noise_norm / _theta_norm(model)
+    assert guard._perturber._move_square == pytest.approx(0.04 + (move**2 - 0.04) / 8, rel=1e-9)
+    assert torch.all(_dense_rmse(jac, out.gradient - g, out.report.eps) >= TAU)
+
+
 def test_seeds_reproduce_and_os_entropy_differs():
     model, x, y, _, g = _problem(2)
     first = Guard(unclipped(defense="eigen", seed=7)).protect(model, x, y, g).gradient

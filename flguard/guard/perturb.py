@@ -189,16 +189,25 @@ class Perturber:
         """``auto``: each of ``auto_order`` in turn on the same operator (its products count against the
         same step limit) until one meets the floor within the budget — the first, isotropic kind only
         while its moves stay within ``max_move`` (``_moved_too_far``), else kept as the fallback; the
-        last one's outcome when none met. The report's details name the one that was sent
-        (``defense_used``) and why the others were not (``auto_reasons``)."""
+        last one's outcome when none met. Where the Gaussian's average move would stay over ``max_move`` whatever
+        this step's (``_always_too_far``), the aimed noise is tried first and the Gaussian computed only if that
+        fails: the same noise is sent as when the Gaussian was computed first and found too far, without computing
+        it (the random draws differ). The report's details name the one that was sent (``defense_used``) and why
+        the others were not (``auto_reasons``)."""
         reasons, order, fallback, outcome = [], auto_order(self.config), None, None
-        first = order[0]
+        first, deferred = order[0], False
         if self._skip_first > 0:
             self._skip_first -= 1
             order = order[1:] + order[:1]
             reasons.append(f"{first}: tried last (within the last {AUTO_SKIP_STEPS} steps it needed over "
                            f"{AUTO_SKIP_FACTOR:g}× the budget or its moves exceeded their limit)")
+        elif self._always_too_far(move_scale, max_move):  # it can only be the fallback's fallback: not computed first
+            order, deferred, self._skip_first = order[1:] + order[:1], True, AUTO_SKIP_STEPS
+            reasons.append(f"{first}: tried last (its moves' root mean square over the recent steps stays over "
+                           f"{max_move:.0%} whatever this step's move: {self._move_square ** 0.5:.1%} before it)")
         for kind in order:
+            if deferred and kind == first:
+                deferred = False  # computed after all: its own move enters the average (``_moved_too_far``)
             try:
                 outcome = self.perturb(op, flat, clip, generator, kind)
             except Exception as failure:  # the next kind may still certify; every kind verifies its own floor
@@ -209,6 +218,8 @@ class Perturber:
             noise = float(outcome.noise.norm())
             far = kind == first and outcome.met and self._moved_too_far(noise, move_scale, max_move)
             if outcome.met and not far:
+                if deferred:  # the Gaussian was not computed: its move counts as the least it could be, none
+                    self._move_square = averaged_square(self._move_square, 0.0, AUTO_MOVE_STEPS)
                 return _noted(outcome, reasons)
             if outcome.met:
                 fallback = outcome
@@ -234,6 +245,16 @@ class Perturber:
 
     def restore(self, memory: tuple) -> None:
         self._skip_first, self._move_square = memory
+
+    def _always_too_far(self, move_scale: float | None, max_move: float) -> bool:
+        """Whether the Gaussian's moves would exceed ``max_move`` in root mean square whatever this step's move, a zero
+        one included (``_moved_too_far``'s average): it could then be sent only where the aimed noise fails, so
+        ``auto`` tries the aimed noise first and computes the Gaussian only then. False without a step size or an
+        average. Where the aimed noise is sent, the average takes this step's move as zero, the least it could be:
+        the Gaussian is computed again once its average could fall under the limit."""
+        if move_scale is None or self._move_square is None:
+            return False
+        return averaged_square(self._move_square, 0.0, AUTO_MOVE_STEPS) ** 0.5 > max_move
 
     def _moved_too_far(self, noise: float, move_scale: float | None, max_move: float = AUTO_MAX_MOVE) -> bool:
         """Whether the Gaussian's moves, this one (``noise`` × ``move_scale``) included, exceed ``max_move``

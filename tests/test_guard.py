@@ -231,6 +231,40 @@ def test_auto_does_not_compute_the_gaussian_where_no_move_could_bring_its_averag
     assert torch.all(_dense_rmse(jac, out.gradient - g, out.report.eps) >= TAU)
 
 
+@pytest.mark.parametrize("budget", [0.0035, 0.005, 0.01])
+def test_auto_abandons_part_way_a_gaussian_that_cannot_meet_the_budget(monkeypatch, budget):
+    """Here the Gaussian needs noise 0.0085·‖g‖ and resolvent noise 0.0028·‖g‖. At a budget of 0.0035·‖g‖ or
+    0.005·‖g‖ ``auto`` abandons the Gaussian's solve part-way (``ABANDON_HOPELESS``): the same noise is sent as when
+    it is solved to the end, for fewer products, and meets the floor under dense recomputation; the next steps try
+    the aimed noise first (a finished solve does so only over twice the budget). At 0.01 the Gaussian is sent."""
+    import re
+    import flguard.guard.perturb as perturb_module
+
+    model, x, y, jac, g = _problem(3)
+    runs = {}
+    for abandon in (False, True):
+        monkeypatch.setattr(perturb_module, "ABANDON_HOPELESS", abandon)
+        guard = Guard(unclipped(defense="auto", min_rmse=TAU, seed=3, max_rel_noise=budget))
+        runs[abandon] = guard.protect(model, x, y, g), guard._perturber._skip_first
+    (whole, skip_whole), (cut, skip_cut) = runs[False], runs[True]
+    torch.testing.assert_close(cut.gradient, whole.gradient)  # the same draws, the same noise sent
+    assert cut.report.met and torch.all(_dense_rmse(jac, cut.gradient - g, cut.report.eps) >= TAU)
+    if budget == 0.01:
+        assert cut.report.details["defense_used"] == "gaussian" and cut.report.matvecs == whole.report.matvecs
+        return
+    needed = float(re.search(r"gaussian: the floor τ=\S+ needs noise \S+ = (\S+)× the gradient norm",
+                             whole.report.details["auto_reasons"]).group(1))
+    assert needed == pytest.approx(0.0085, rel=0.01)
+    assert cut.report.details["defense_used"] == whole.report.details["defense_used"] == "resolvent"
+    short = 3 if budget == 0.0035 else 2  # at 1.7× the budget the first to show it is short of it
+    assert (f"gaussian: the floor τ=0.05 needs more noise than the budget max_rel_noise={budget}: there {short} of 3 samples "
+            "stay below it whatever their solves' remaining error (its solve abandoned part-way)"
+            ) in cut.report.details["auto_reasons"]
+    assert skip_cut == perturb_module.AUTO_SKIP_STEPS
+    assert skip_whole == (perturb_module.AUTO_SKIP_STEPS if needed > 2 * budget else 0)
+    assert cut.report.matvecs < whole.report.matvecs - 20
+
+
 def test_seeds_reproduce_and_os_entropy_differs():
     model, x, y, _, g = _problem(2)
     first = Guard(unclipped(defense="eigen", seed=7)).protect(model, x, y, g).gradient

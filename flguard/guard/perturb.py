@@ -15,14 +15,15 @@ from flguard.defenses.gaussian import isotropic
 from flguard.defenses.resolvent import resolvent_start, run_steps
 from flguard.defenses.rowspace import rowspace
 from flguard.guard.config import DEFAULT_FALLBACK, THRESHOLD_DEFENSES, GuardConfig
-from flguard.guard.exclusion import kept_gradient, negligible_samples
+from flguard.guard.exclusion import excludable, kept_gradient, negligible_samples
 from flguard.guard.failure import GuardFailure, failure_reason
 # its PRECONDITION_CG, SOLVER_MAX_ITER and STOP_WHEN_SUFFICIENT are read at call time (tests and benchmarks set them)
 from flguard.guard import floor
-from flguard.guard.floor import FloorCalibrator, Outcome, checked_solve, noise_budget, rmse_lb
+from flguard.guard.floor import FloorCalibrator, Outcome, checked_solve, input_bounds, noise_budget, rmse_lb
 from flguard.risk.assess import i2f_norms, i2f_solve_with_lambda_max
-from flguard.risk.closed_forms import to_rmse
+from flguard.risk.closed_forms import from_rmse, to_rmse
 from flguard.risk.clipped import Jacobian, base_operator
+from flguard.risk.krylov import Sufficient
 from flguard.risk.regularised import RegularisedK
 
 #: The calibrated Gaussian's direction and row-space noise need no Ritz vectors from the verification's
@@ -78,6 +79,13 @@ AUTO_SKIP_STEPS = 8
 #: round at 8× the Gaussian's products and 1.9 points less accuracy.
 AUTO_MAX_MOVE = 0.10
 AUTO_MOVE_STEPS = 8
+#: ``auto`` abandons its first kind's solve part-way (``Hopeless``) once its error bounds show that the floor needs
+#: more noise than the budget: the finished solve's decision — the kind is not sent — without the rest of its
+#: products; the next AUTO_SKIP_STEPS steps then try the fallback first (a solve abandoned part-way does not know by
+#: how much the budget falls short, so unlike a finished one it does not compare with AUTO_SKIP_FACTOR). Measured on
+#: the trained ResNet-20-GN at B = 8: the Gaussian's ~20 products a try to 5 (docs/results.md, "auto's first kind
+#: abandoned part-way"). False: solved to the end.
+ABANDON_HOPELESS = True
 
 
 def auto_order(config: GuardConfig) -> tuple[str, str]:
@@ -96,11 +104,14 @@ class Perturber:
         self._move_square: float | None = None  # auto: the Gaussian's mean square move (AUTO_MAX_MOVE)
 
     def perturb(self, op: Jacobian, flat: torch.Tensor, clip: float | None, generator: torch.Generator,
-                kind: str | None = None, move_scale: float | None = None, max_move: float = AUTO_MAX_MOVE) -> Outcome:
+                kind: str | None = None, move_scale: float | None = None, max_move: float = AUTO_MAX_MOVE,
+                abandon: bool = False) -> Outcome:
         """The configured defense's outcome on this step (``kind``: the threshold defense to apply
         instead, for ``auto``; ``move_scale``: step size ÷ ‖θ‖, which turns ‖noise‖ into the share of
         the parameters' norm it moves them by, for auto's limit ``max_move``: AUTO_MAX_MOVE, or the engine's
-        stricter one at a raised clip level, ``flguard.guard.clipping.CLIP_MAX_MOVE``)."""
+        stricter one at a raised clip level, ``flguard.guard.clipping.CLIP_MAX_MOVE``; ``abandon``: raise
+        ``Hopeless`` part-way through a one-run solve once the floor certainly needs more than the budget,
+        ``auto``'s first kind)."""
         cfg = self.config
         kind = kind or cfg.defense
         if kind == "auto":
@@ -113,7 +124,7 @@ class Perturber:
                 return self._without(left, op, flat, clip, generator, kind)
         lanczos_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=flat.device))
         if one_run:
-            return self._in_one_run(kind, op, flat, clip, generator, lanczos_seed)
+            return self._in_one_run(kind, op, flat, clip, generator, lanczos_seed, abandon)
         # eigen chooses among the run's Ritz directions, resolvent filters its start vector on its Krylov space
         spectrum = RegularisedK(op).lanczos(rtol=cfg.rtol, ends="max", min_iter=_krylov_steps(kind, cfg),
                                             max_iter=max(floor.SOLVER_MAX_ITER, cfg.krylov_steps if eigen else 0),
@@ -136,16 +147,19 @@ class Perturber:
                        "" if met else "baseline misses min_rmse", dict(ctx.info))
 
     def _in_one_run(self, kind: str, op: Jacobian, flat: torch.Tensor, clip: float | None,
-                    generator: torch.Generator, seed: int) -> Outcome:
+                    generator: torch.Generator, seed: int, abandon: bool = False) -> Outcome:
         """A direction drawn before the verification's ε exists (``ONE_RUN_KINDS``: the isotropic draw z, or
         row-space noise Σ J_iᵀw_i), with λmax and its I2F solve from one Lanczos run per sample
-        (``LANCZOS_SOLVE``), then scaled to the floor exactly as ``FloorCalibrator.meet`` does."""
+        (``LANCZOS_SOLVE``), then scaled to the floor exactly as ``FloorCalibrator.meet`` does; with ``abandon``,
+        given up (``Hopeless``) once the floor certainly needs more than the budget."""
         cfg = self.config
         direction = (isotropic(op.dtheta, generator, flat) if kind == "gaussian"
                      else rowspace(op, generator, cfg.eps, cfg.eps_mode == "relative"))
         calibrator = FloorCalibrator(cfg, clip)
         limit = noise_budget(flat, cfg, clip, op.span) / max(float(direction.vector.norm()), 1e-30)
         rule = calibrator.sufficient(op.x, limit) if floor.STOP_WHEN_SUFFICIENT else None
+        if abandon:
+            rule = _abandoning(rule, op, cfg, limit)
         shift, jd, converged, lambda_max, eps, lambda_ok, bound = i2f_solve_with_lambda_max(
             op, direction.vector, cfg.eps, cfg.eps_mode == "relative", cfg.rtol, seed=seed, max_iter=floor.SOLVER_MAX_ITER,
             skip=_left_out_unsolved(op, cfg), sufficient=rule)
@@ -200,7 +214,8 @@ class Perturber:
             self._skip_first -= 1
             order = order[1:] + order[:1]
             reasons.append(f"{first}: tried last (within the last {AUTO_SKIP_STEPS} steps it needed over "
-                           f"{AUTO_SKIP_FACTOR:g}× the budget or its moves exceeded their limit)")
+                           f"{AUTO_SKIP_FACTOR:g}× the budget, or over it by a solve abandoned part-way, or its moves "
+                           "exceeded their limit)")
         elif self._always_too_far(move_scale, max_move):  # it can only be the fallback's fallback: not computed first
             order, deferred, self._skip_first = order[1:] + order[:1], True, AUTO_SKIP_STEPS
             reasons.append(f"{first}: tried last (its moves' root mean square over the recent steps stays over "
@@ -208,11 +223,14 @@ class Perturber:
         for kind in order:
             if deferred and kind == first:
                 deferred = False  # computed after all: its own move enters the average (``_moved_too_far``)
+            abandon = ABANDON_HOPELESS and kind == first and kind != order[-1]  # a fallback to go on to
             try:
-                outcome = self.perturb(op, flat, clip, generator, kind)
+                outcome = self.perturb(op, flat, clip, generator, kind, abandon=abandon)
             except Exception as failure:  # the next kind may still certify; every kind verifies its own floor
                 outcome = None
                 reasons.append(f"{kind}: {failure_reason(failure)}")
+                if isinstance(failure, Hopeless):  # over the budget, by how much unknown (ABANDON_HOPELESS)
+                    self._skip_first = AUTO_SKIP_STEPS
                 continue
             outcome.info["defense_used"] = kind
             noise = float(outcome.noise.norm())
@@ -288,6 +306,43 @@ def _left_out_unsolved(op: Jacobian, cfg: GuardConfig) -> torch.Tensor | None:
         return None
     free = negligible_samples(op)
     return free if bool(free.any()) and not bool(free.all()) else None
+
+
+class Hopeless(GuardFailure):
+    """A direction whose floor certainly needs more noise than the caller's limit, found part-way through its solve."""
+
+
+def _abandoning(rule: Sufficient | None, op: Jacobian, cfg: GuardConfig, limit: float) -> Sufficient:
+    """``rule`` (the solver's early stop), raising ``Hopeless`` first wherever the solve's error bounds show that no
+    scale up to c = ``limit`` (the budget's) certifies enough samples. Sample i's certified error at scale
+    c is at most its exact one, ‖clip(x_i + cΔ_i) − x_i‖ (unclipped without ``input_bounds``), and that is at most
+    ‖clip(x_i + cΔ̃_i) − x_i‖ + 2cη_i (clip is 1-Lipschitz) for the iterate Δ̃_i handed to the rule and its error
+    bound η_i — twice it: the iterate may be the point the ball's residual was taken at rather than its centre, and
+    before its check the run's own estimate of it is trusted to within ``DRIFT`` = 2; η_i is taken at the ε of the
+    run's current θmax ≤ λmax, which only lengthens the shift. That bound grows with c, so a sample below τ(1 + rtol)
+    there certifies at no scale up to c; where leaving every such sample out is not allowed (``max_excluded``,
+    negligible samples free, as ``FloorCalibrator.meet`` counts them) the floor needs more noise than c. The
+    decision, not the certificate, rests on it: a direction abandoned is not sent, and the next is verified."""
+    scale, coupled = limit, base_operator(op).coupled
+    reach = from_rmse(cfg.floor * (1 + cfg.rtol), op.dx)
+    share = 0.0 if coupled else cfg.max_excluded
+    free = negligible_samples(op) if share > 0 else None
+    x = op.x.double()
+    box = None if cfg.bounds is None else tuple(t.double() for t in input_bounds(cfg.bounds, op.x))
+
+    def checked(shift: torch.Tensor, error: torch.Tensor, ask: torch.Tensor) -> torch.Tensor:
+        step = scale * shift.double()
+        if box is not None:
+            step = (torch.clamp(x + step.view_as(x), *box) - x).flatten(1)
+        most = step.norm(dim=1) + 2 * scale * error.double()
+        short = ~(most >= reach)  # NaN counts as short: such a sample cannot certify either
+        if bool(short.any()) and not excludable(~short, share, free):
+            raise Hopeless(f"the floor τ={cfg.floor:.4g} needs more noise than the budget max_rel_noise="
+                           f"{cfg.max_rel_noise}: there {int(short.sum())} of {short.numel()} samples stay below it "
+                           "whatever their solves' remaining error (its solve abandoned part-way)")
+        return rule(shift, error, ask) if rule is not None else torch.zeros_like(ask)
+
+    return checked
 
 
 def _krylov_steps(kind: str, cfg: GuardConfig) -> int:

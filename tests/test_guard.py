@@ -257,8 +257,8 @@ def test_auto_abandons_part_way_a_gaussian_that_cannot_meet_the_budget(monkeypat
     assert needed == pytest.approx(0.0085, rel=0.01)
     assert cut.report.details["defense_used"] == whole.report.details["defense_used"] == "resolvent"
     short = 3 if budget == 0.0035 else 2  # at 1.7× the budget the first to show it is short of it
-    assert (f"gaussian: the floor τ=0.05 needs more noise than the budget max_rel_noise={budget}: there {short} of 3 samples "
-            "stay below it whatever their solves' remaining error (its solve abandoned part-way)"
+    assert (f"gaussian: the floor τ=0.05 needs more noise than the budget max_rel_noise={budget}: there {short} of 3 "
+            "samples stay below it whatever their solves' remaining error (its solve abandoned part-way)"
             ) in cut.report.details["auto_reasons"]
     assert skip_cut == perturb_module.AUTO_SKIP_STEPS
     assert skip_whole == (perturb_module.AUTO_SKIP_STEPS if needed > 2 * budget else 0)

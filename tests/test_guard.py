@@ -265,6 +265,31 @@ def test_auto_abandons_part_way_a_gaussian_that_cannot_meet_the_budget(monkeypat
     assert cut.report.matvecs < whole.report.matvecs - 20
 
 
+@pytest.mark.parametrize("budget", [0.0035, 0.005, 0.01])
+def test_auto_abandons_the_gaussian_as_it_would_end_in_the_pixel_box_and_with_samples_left_out(monkeypatch, budget):
+    """The abandon's bound through the box (``input_bounds``: the certified error is clipped) and with one sample of
+    three allowed out (``max_excluded``): with or without ``ABANDON_HOPELESS`` the same kind is sent, the same noise,
+    meeting the floor under dense recomputation, and never more products with it."""
+    import flguard.guard.perturb as perturb_module
+
+    model, x, y, jac, g = _problem(3)
+    runs = {}
+    for abandon in (False, True):
+        monkeypatch.setattr(perturb_module, "ABANDON_HOPELESS", abandon)
+        config = unclipped(defense="auto", min_rmse=TAU, seed=3, max_rel_noise=budget, input_bounds="batch",
+                           max_excluded=0.34)
+        runs[abandon] = Guard(config).protect(model, x, y, g)
+    whole, cut = runs[False], runs[True]
+    assert cut.report.met == whole.report.met
+    assert cut.report.details["defense_used"] == whole.report.details["defense_used"]
+    torch.testing.assert_close(cut.gradient, whole.gradient)
+    assert cut.report.matvecs <= whole.report.matvecs
+    kept = torch.isfinite(cut.report.rmse_after)
+    assert torch.all(_dense_rmse(jac, cut.gradient - g, cut.report.eps)[kept] >= TAU)
+    abandoned = "abandoned part-way" in cut.report.details.get("auto_reasons", "")
+    assert abandoned == (budget < 0.01) and (cut.report.matvecs < whole.report.matvecs) == abandoned
+
+
 def test_seeds_reproduce_and_os_entropy_differs():
     model, x, y, _, g = _problem(2)
     first = Guard(unclipped(defense="eigen", seed=7)).protect(model, x, y, g).gradient

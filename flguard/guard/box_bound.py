@@ -44,7 +44,7 @@ class BoxProfile:
     its certified lower bound and each sample's least reaching scale in a few elementwise passes."""
 
     def __init__(self, x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> None:
-        x64, low64, high64 = _flat64(x, low, high)
+        x64, low64, high64 = flat64(x, low, high)
         step = shift.double()
         room = torch.where(step > 0, high64 - x64, x64 - low64)  # d_p ≥ 0: the box contains x
         size = step.abs()
@@ -134,9 +134,8 @@ def certifies(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: tor
     cheap bounds where they settle it (r̃ − R reaches it: yes; r̃ itself does not: no), the profile's
     sort run only on the other samples (a scale asked once; ``BoxProfile`` for many)."""
     dx = shift.shape[1]
-    x64, low64, high64 = _flat64(x, low, high)
-    moved = x64 + scale * shift.double()
-    nominal = (torch.minimum(torch.maximum(moved, low64), high64) - x64).norm(dim=1)
+    x64, low64, high64 = flat64(x, low, high)
+    nominal = clipped_norms(x64, shift, low64, high64, scale)
     r = scale * radius.double().clamp_min(0.0)
     out = to_rmse(nominal - r, dx) >= target
     undecided = ~out & (to_rmse(nominal, dx) >= target)
@@ -153,7 +152,15 @@ def least_scales(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, high: 
     return BoxProfile(x, shift, low, high).least_scales(target, limit)
 
 
-def _flat64(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def clipped_norms(x64: torch.Tensor, shift: torch.Tensor, low64: torch.Tensor, high64: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """[B] float64: ‖clip(x_i + scale·shift_i, low, high) − x_i‖, the solved shift's clipped error itself, for x and
+    the box as float64 rows [B, dx] (``flat64``)."""
+    moved = x64 + scale * shift.double()
+    return (torch.minimum(torch.maximum(moved, low64), high64) - x64).norm(dim=1)
+
+
+def flat64(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """x and the box (broadcastable to x) as float64 rows [B, dx]."""
     batch = x.shape[0]
     return tuple(t.double().expand_as(x).reshape(batch, -1) for t in (x, low, high))

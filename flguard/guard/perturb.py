@@ -14,6 +14,7 @@ from flguard.defenses import BASELINES, DefenseContext
 from flguard.defenses.gaussian import isotropic
 from flguard.defenses.resolvent import resolvent_start, run_steps
 from flguard.defenses.rowspace import rowspace
+from flguard.guard.box_bound import clipped_norms, flat64
 from flguard.guard.config import DEFAULT_FALLBACK, THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard.exclusion import excludable, kept_gradient, negligible_samples
 from flguard.guard.failure import GuardFailure, failure_reason
@@ -324,18 +325,14 @@ def _abandoning(rule: Sufficient | None, op: Jacobian, cfg: GuardConfig, limit: 
     there certifies at no scale up to c; where leaving every such sample out is not allowed (``max_excluded``,
     negligible samples free, as ``FloorCalibrator.meet`` counts them) the floor needs more noise than c. The
     decision, not the certificate, rests on it: a direction abandoned is not sent, and the next is verified."""
-    scale, coupled = limit, base_operator(op).coupled
     reach = from_rmse(cfg.floor * (1 + cfg.rtol), op.dx)
-    share = 0.0 if coupled else cfg.max_excluded
+    share = 0.0 if base_operator(op).coupled else cfg.max_excluded
     free = negligible_samples(op) if share > 0 else None
-    x = op.x.double()
-    box = None if cfg.bounds is None else tuple(t.double() for t in input_bounds(cfg.bounds, op.x))
+    box = None if cfg.bounds is None else flat64(op.x, *input_bounds(cfg.bounds, op.x))  # x, low, high
 
     def checked(shift: torch.Tensor, error: torch.Tensor, ask: torch.Tensor) -> torch.Tensor:
-        step = scale * shift.double()
-        if box is not None:
-            step = (torch.clamp(x + step.view_as(x), *box) - x).flatten(1)
-        most = step.norm(dim=1) + 2 * scale * error.double()
+        reached = limit * shift.double().norm(dim=1) if box is None else clipped_norms(box[0], shift, *box[1:], limit)
+        most = reached + 2 * limit * error.double()
         short = ~(most >= reach)  # NaN counts as short: such a sample cannot certify either
         if bool(short.any()) and not excludable(~short, share, free):
             raise Hopeless(f"the floor τ={cfg.floor:.4g} needs more noise than the budget max_rel_noise="

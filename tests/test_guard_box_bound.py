@@ -11,6 +11,7 @@ import torch
 
 from flguard.guard.box_bound import BoxProfile, clipped_error_bound, least_scales
 from flguard.guard.floor import box_scale
+from flguard.risk.closed_forms import to_rmse
 
 
 def _clipped(x: torch.Tensor, shift: torch.Tensor, scale: float) -> torch.Tensor:
@@ -156,6 +157,13 @@ def test_the_profile_maximises_the_dual_at_every_scale_from_one_sort():
         torch.testing.assert_close(profile.rows(torch.tensor([3, 1])).certified_norms(scale, radius[[3, 1]]),
                                    bound[[3, 1]], rtol=0, atol=0)
     assert torch.equal(profile.certified_norms(0.0, radius), torch.zeros(5, dtype=torch.float64))  # no noise, no error
+    # several scales in one pass (the solver's early stop asks two): each row the bound at that scale alone
+    scales = (0.05, 0.0, 4.0, 1.0)
+    torch.testing.assert_close(profile.certified_norms(scales, radius),
+                               torch.stack([profile.certified_norms(c, radius) for c in scales]), rtol=1e-15, atol=0)
+    target = float(to_rmse(profile.certified_norms(1.0, radius), 30).median())
+    assert torch.equal(profile.certifies(scales, radius, target),
+                       torch.stack([profile.certifies(c, radius, target) for c in scales]))
     other = BoxProfile(x[[2]], -shift[[2]], torch.zeros(1), torch.ones(1))
     profile.replace(torch.tensor([0]), other)
     replaced = radius.clone()

@@ -75,6 +75,7 @@ def test_clipped_products_match_the_dense_jacobian_of_the_clipped_upload(product
     if products == "direct-1":
         op.op.sample_chunk = 1
     assert op.op.direct == products.startswith("direct") and op.op.one_at_a_time == (products == "direct-1")
+    assert (op.op._ghost_kmv() is not None) == (products == "direct-1")  # one at a time: the batched ghost graphs
     assert bool((op.factor < 1).any()) and bool((op.factor == 1).any())
     jac, upload = _dense(model, x, y, clip)
     torch.testing.assert_close(op.gradient, upload)
@@ -95,6 +96,16 @@ def test_clipped_products_match_the_dense_jacobian_of_the_clipped_upload(product
     sub = op.restricted(rows)
     torch.testing.assert_close(sub.kmv(u[rows]), torch.einsum("bxp,byp,bky->bkx", jac[rows], jac[rows], u[rows]))
     torch.testing.assert_close(sub.j(v[rows]), torch.einsum("bxp,bkp->bkx", jac[rows], v[rows]))
+    # restricted before any product: the copy takes the images of its own two samples, on itself (one application of
+    # its own), and a copy restricted from it slices them (none); the whole batch's are never taken
+    fresh = ClippedJacobian(JacobianOperator(model, x, y, products=products.split("-")[0]), clip)
+    fresh.op.sample_chunk = op.op.sample_chunk
+    sub = fresh.restricted(rows)
+    torch.testing.assert_close(sub.kmv(u[rows]), torch.einsum("bxp,byp,bky->bkx", jac[rows], jac[rows], u[rows]))
+    assert sub.applications == 5
+    inner = sub.restricted(torch.tensor([1]))  # the batch's row 2
+    torch.testing.assert_close(inner.kmv(u[2:3]), torch.einsum("bxp,byp,bky->bkx", jac[2:3], jac[2:3], u[2:3]))
+    assert inner.applications == 4 and fresh._images["values"] is None
     plain = JacobianOperator(model, x, y, products=products.split("-")[0])  # no clipping: the mean gradient's
     plain.sample_chunk = op.op.sample_chunk
     jac_plain, _ = _dense(model, x, y, 1e30)

@@ -108,8 +108,8 @@ def krylov_resolvent(run: LanczosResult, eps: torch.Tensor,
     Lanczos relation), so the m − k further steps refine ι_i as that many CG steps from K_iv_i would (their Krylov
     space lies inside Q_i's); for k = m the part of K_iv_i beyond the run is dropped. A zero block (T_i = 0) gives
     ι_i = 0, and ε_i = 0 there non-finite values; the caller drops such a sample's part."""
-    filtered, galerkin = _filtered_and_galerkin(run, eps, filter_steps)
-    return filtered, galerkin.norm(dim=1)
+    y, galerkin = _coefficients_and_galerkin(run, eps, filter_steps)
+    return torch.einsum("bkn,bk->bn", run.basis[:, :y.shape[1]], y), galerkin.norm(dim=1)
 
 
 def chosen_resolvent(run: LanczosResult, eps: torch.Tensor, by: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,55 +121,59 @@ def chosen_resolvent(run: LanczosResult, eps: torch.Tensor, by: str) -> tuple[to
     k = 1 (its ι_i is then zero or non-finite and ``carried`` drops its part). No product: m small eigenproblems."""
     if by not in ("norm", "kernel"):
         raise ValueError(f"by={by!r} must be 'norm' or 'kernel'")
-    best = None
-    for k in range(1, run.basis.shape[1] + 1):
-        filtered, galerkin, energy = _filtered_and_galerkin(run, eps, k, energy=by)
+    best = None  # [y padded to the run's m, ι, k, ratio]: v_i formed once, for the k chosen
+    m, projected = run.basis.shape[1], _projected(run)
+    for k in range(1, m + 1):
+        y, galerkin, energy = _coefficients_and_galerkin(run, eps, k, energy=by, projected=projected)
         own = galerkin.norm(dim=1)
         ratio = own / energy.clamp_min(0.0).sqrt()
         ratio = torch.where(torch.isfinite(ratio), ratio, torch.full_like(ratio, -1.0))
+        y = torch.nn.functional.pad(y, (0, m - k))
         if best is None:
-            best = [filtered, own, torch.ones_like(own), ratio]
+            best = [y, own, torch.ones_like(own), ratio]
             continue
         better = ratio > best[3]
-        best = [torch.where(better.unsqueeze(1), filtered, best[0]), torch.where(better, own, best[1]),
+        best = [torch.where(better.unsqueeze(1), y, best[0]), torch.where(better, own, best[1]),
                 torch.where(better, torch.full_like(own, float(k)), best[2]), torch.where(better, ratio, best[3])]
-    return best[0], best[1], best[2]
+    return torch.einsum("bkn,bk->bn", run.basis, best[0]), best[1], best[2]
 
 
 def own_solution(run: LanczosResult, eps: torch.Tensor, filter_steps: int | None = None) -> torch.Tensor:
     """w_i [B, dx]: ``krylov_resolvent``'s Galerkin solution of (K_i+ε_iI)w = K_iv_i in input space (‖w_i‖ = ι_i) —
     the solve of sample i's own part of resolvent noise that the run already holds."""
-    _, galerkin = _filtered_and_galerkin(run, eps, filter_steps)
+    _, galerkin = _coefficients_and_galerkin(run, eps, filter_steps)
     return torch.einsum("bmn,bmj,bj->bn", run.basis, run.coordinates, galerkin)
 
 
-def _filtered_and_galerkin(run: LanczosResult, eps: torch.Tensor, filter_steps: int | None,
-                           energy: str | None = None):
-    """(v_i [B, dx], the Galerkin solution's coordinates in T_i's eigenbasis [B, m]) — ``krylov_resolvent``'s parts;
-    ``energy`` adds ‖J_iᵀv_i‖² = yᵀT_i[:k, :k]y ("norm") or ‖K_iv_i‖² ("kernel", ``chosen_resolvent``) [B]."""
-    basis, m = run.basis, run.basis.shape[1]
+def _coefficients_and_galerkin(run: LanczosResult, eps: torch.Tensor, filter_steps: int | None,
+                               energy: str | None = None, projected: torch.Tensor | None = None):
+    """(y_i [B, k], v_i = Q_i[:k]y_i's coefficients on the run's first k vectors; the Galerkin solution's coordinates
+    in T_i's eigenbasis [B, m]) — ``krylov_resolvent``'s parts, no pass over the input space; ``energy`` adds
+    ‖J_iᵀv_i‖² = yᵀT_i[:k, :k]y ("norm") or ‖K_iv_i‖² ("kernel", ``chosen_resolvent``) [B]. ``projected``: T_i =
+    S_iΘ_iS_iᵀ (``_projected``) where the caller asks for several k."""
+    m = run.basis.shape[1]
     k = m if filter_steps is None else min(filter_steps, m)
     theta = run.ritz_values.clamp_min(0.0)  # K_i is PSD: a negative Ritz value is rounding
-    leading = run.coordinates[:, :k, :]  # S_i's first k rows: T_i[:k, :k] = S_i[:k]Θ_iS_i[:k]ᵀ
-    start = torch.zeros(basis.shape[0], k, dtype=basis.dtype, device=basis.device)
-    start[:, 0] = 1.0
-    block = torch.einsum("bij,bj,bkj->bik", leading, theta, leading)
-    y = _shifted_solve(block, eps, start)
-    filtered = torch.einsum("bkn,bk->bn", basis[:, :k], y)
-    # (T_i+ε_iI)⁻¹T_i[:, :k]y = S_i(Θ_i+ε_iI)⁻¹Θ_iS_i[:k]ᵀy, in S_i's coordinates: its norm is ι_i (S_i orthogonal)
-    galerkin = theta / (theta + eps.unsqueeze(1)) * torch.einsum("bkj,bk->bj", leading, y)
-    if energy == "norm":
-        return filtered, galerkin, torch.einsum("bi,bij,bj->b", y, block, y)
-    if energy == "kernel":  # K_iQ_i[:k]y = Q_iT_i[:, :k]y (+ β_m·y[-1]·q_{m+1} where k = m: the Lanczos relation)
-        image = torch.einsum("bij,bj,bkj,bk->bi", run.coordinates, theta, leading, y)
-        outside = run.residuals.norm(dim=1) * y[:, -1] if k == m else torch.zeros_like(y[:, 0])
-        return filtered, galerkin, (image ** 2).sum(dim=1) + outside ** 2
-    return filtered, galerkin
-
-
-def _shifted_solve(matrix: torch.Tensor, eps: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """(matrix_i + ε_iI)⁻¹rhs_i for small symmetric PSD matrices [B, k, k], through their eigenvalues (clamped at
-    zero): never raises; a singular shifted matrix gives non-finite values."""
-    values, vectors = torch.linalg.eigh(matrix)
+    t = _projected(run) if projected is None else projected
+    block = t[:, :k, :k]
+    # y = (T_i[:k, :k]+ε_iI)⁻¹e₁ through the block's eigenvalues (clamped at zero): never raises; a singular shifted
+    # block gives non-finite values
+    values, vectors = torch.linalg.eigh(block)
     inverse = 1.0 / (values.clamp_min(0.0) + eps.unsqueeze(1))
-    return torch.einsum("bij,bj,bkj,bk->bi", vectors, inverse, vectors, rhs)
+    y = (vectors @ (inverse * vectors[:, 0, :]).unsqueeze(2)).squeeze(2)
+    # (T_i+ε_iI)⁻¹T_i[:, :k]y = S_i(Θ_i+ε_iI)⁻¹Θ_iS_i[:k]ᵀy, in S_i's coordinates: its norm is ι_i (S_i orthogonal)
+    galerkin = theta / (theta + eps.unsqueeze(1)) * (y.unsqueeze(1) @ run.coordinates[:, :k, :]).squeeze(1)
+    if energy == "norm":
+        return y, galerkin, (y * (block @ y.unsqueeze(2)).squeeze(2)).sum(dim=1)
+    if energy == "kernel":  # K_iQ_i[:k]y = Q_iT_i[:, :k]y (+ β_m·y[-1]·q_{m+1} where k = m: the Lanczos relation)
+        image = (t[:, :, :k] @ y.unsqueeze(2)).squeeze(2)
+        outside = run.residuals.norm(dim=1) * y[:, -1] if k == m else torch.zeros_like(y[:, 0])
+        return y, galerkin, (image ** 2).sum(dim=1) + outside ** 2
+    return y, galerkin
+
+
+def _projected(run: LanczosResult) -> torch.Tensor:
+    """T_i = Q_iᵀK_iQ_i = S_iΘ_iS_iᵀ [B, m, m] from the run's Ritz values (clamped at zero: K_i is PSD) and their
+    coordinates."""
+    coordinates = run.coordinates
+    return (coordinates * run.ritz_values.clamp_min(0.0).unsqueeze(1)) @ coordinates.transpose(1, 2)

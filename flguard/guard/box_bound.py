@@ -30,6 +30,8 @@ exclusion's grid): each is then a few elementwise passes, not a sort.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from flguard.risk.closed_forms import to_rmse
@@ -79,26 +81,31 @@ class BoxProfile:
         for mine, theirs in zip(self._tensors(), other._tensors()):
             mine[index] = theirs
 
-    def certified_norms(self, scale: float, radius: torch.Tensor) -> torch.Tensor:
+    def certified_norms(self, scale: float | Sequence[float], radius: torch.Tensor) -> torch.Tensor:
         """[B] float64: √max_w F(w), a lower bound on ‖clip(x_i + scale·Δ_i) − x_i‖ over every exact shift Δ_i
-        with ‖Δ_i − shift_i‖ ≤ ``radius`` [B] (per unit scale). The w's stay below 1 by an ulp (``_BELOW_ONE``):
-        any w < 1 bounds rigorously, and without a radius F(1) = ‖e‖² is lost only in the 16th digit."""
+        with ‖Δ_i − shift_i‖ ≤ ``radius`` [B] (per unit scale); [S, B] for a sequence of S scales, in one pass
+        (the solver's early stop asks two at a time). The w's stay below 1 by an ulp (``_BELOW_ONE``): any w < 1
+        bounds rigorously, and without a radius F(1) = ‖e‖² is lost only in the 16th digit."""
         batch, dx = self.saturates.shape
-        if not scale > 0:  # no noise: no error to certify
-            return self.saturates.new_zeros(batch)
+        scales = torch.as_tensor(scale, dtype=self.saturates.dtype, device=self.saturates.device)
+        single, scales = scales.ndim == 0, scales.reshape(-1, 1, 1)  # [S, 1, 1]
+        positive = scales > 0  # no noise: no error to certify
+        scales = torch.where(positive, scales, torch.ones_like(scales))
         eta = radius.double().clamp_min(0.0).unsqueeze(1)
-        ends = self.saturates.new_empty(batch, dx + 2)  # r_p in t_p's order between 0 and (almost) 1
-        ends[:, 0], ends[:, -1] = 0.0, _BELOW_ONE
-        ratio = torch.mul(self.saturates, 1.0 / scale, out=ends[:, 1:-1]).square_().clamp_max_(_BELOW_ONE)
-        start, end = ends[:, :-1], ends[:, 1:]
+        ends = self.saturates.new_empty(scales.shape[0], batch, dx + 2)  # r_p in t_p's order between 0 and (almost) 1
+        ends[..., 0], ends[..., -1] = 0.0, _BELOW_ONE
+        ratio = torch.mul(self.saturates, 1.0 / scales, out=ends[..., 1:-1]).square_().clamp_max_(_BELOW_ONE)
+        start, end = ends[..., :-1], ends[..., 1:]
         w = torch.clamp(1.0 - eta * self.inverse_root, min=start, max=end)  # the stationary point, clamped
-        value = self.saturated + w * ((scale * scale) * self.free - (scale * scale) * eta.square() / (1.0 - w))
+        square = scales * scales
+        value = self.saturated + w * (square * self.free - square * eta.square() / (1.0 - w))
         # after the first unsaturated pixel a segment's start is 1: no longer F (the last valid segment ends there)
-        value[:, 1:].masked_fill_(ratio >= _BELOW_ONE, -float("inf"))
-        return value.max(dim=1).values.clamp_min(0.0).sqrt()
+        value[..., 1:].masked_fill_(ratio >= _BELOW_ONE, -float("inf"))
+        norms = torch.where(positive.squeeze(2), value.max(dim=2).values.clamp_min(0.0).sqrt(), 0.0)
+        return norms[0] if single else norms
 
-    def certifies(self, scale: float, radius: torch.Tensor, target: float) -> torch.Tensor:
-        """[B] bool: whether ``certified_norms``' RMSE (÷√dx) reaches ``target``."""
+    def certifies(self, scale: float | Sequence[float], radius: torch.Tensor, target: float) -> torch.Tensor:
+        """[B] bool ([S, B] for S scales): whether ``certified_norms``' RMSE (÷√dx) reaches ``target``."""
         return to_rmse(self.certified_norms(scale, radius), self.dx) >= target
 
     def least_scales(self, target: float, limit: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from flguard.defenses import DIRECTIONS, DefenseContext, Direction
 from flguard.defenses.gaussian import gaussian_direction
-from flguard.guard.box_bound import BoxProfile
+from flguard.guard.box_bound import BoxProfile, flat64
 from flguard.guard.config import GuardConfig
 from flguard.guard.exclusion import excludable, kept_gradient, negligible_samples, reachable_at
 from flguard.guard.failure import GuardFailure
@@ -191,27 +191,27 @@ class FloorCalibrator:
         solves as always (``meet``), so the rule only sets how much is spent."""
         cfg = self.config
         target, spread = cfg.floor * (1 + cfg.rtol), 1 + cfg.rtol
-        bounds = None if cfg.bounds is None else tuple(b.expand_as(x) for b in input_bounds(cfg.bounds, x))
+        box = None if cfg.bounds is None else flat64(x, *input_bounds(cfg.bounds, x))  # x, low, high [B, dx]
         seen: list = []  # the last call's shifts, their box profiles and least scales
 
         def rule(shift: torch.Tensor, error: torch.Tensor, ask: torch.Tensor) -> torch.Tensor:
             dx, out = shift.shape[1], torch.zeros_like(ask)
             if not bool(ask.any()):
                 return out
-            if bounds is None:
+            if box is None:
                 least = from_rmse(target, dx) / shift.double().norm(dim=1)
                 least = torch.where(least <= limit, least, torch.full_like(least, float("inf")))
             elif not seen:
-                profile = BoxProfile(x, shift, *bounds)
+                profile = BoxProfile(box[0], shift, box[1], box[2])
                 seen[:] = [shift.clone(), profile, profile.least_scales(target, limit)]
             else:  # re-sorted only for the rows whose shift moved since the last call (the samples still iterating)
                 rows = (shift != seen[0]).any(dim=1).nonzero().squeeze(1)
                 if rows.numel():
-                    fresh = BoxProfile(x[rows], shift[rows], *(b[rows] for b in bounds))
+                    fresh = BoxProfile(box[0][rows], shift[rows], box[1][rows], box[2][rows])
                     seen[1].replace(rows, fresh)
                     seen[2][rows] = fresh.least_scales(target, limit)
                     seen[0] = shift.clone()
-            least = least if bounds is None else seen[2]
+            least = least if box is None else seen[2]
             # a sample's exact shift may be longer by its error: the least scale it will need is at least this
             norm = shift.double().norm(dim=1)
             least = least * norm / (norm + error.double()).clamp_min(1e-300)
@@ -219,13 +219,10 @@ class FloorCalibrator:
             if not bool(finite.any()):
                 return out
             need, rows = float(least[finite].max()), ask.nonzero().squeeze(1)
-            if bounds is None:
+            if box is None:
                 out[rows] = to_rmse((shift[rows].double().norm(dim=1) - error[rows].double()) * need / spread, dx) >= target
                 return out
-            asked = seen[1].rows(rows)
-            lower = asked.certifies(need / spread, error[rows], target)
-            if bool(lower.any()):
-                out[rows[lower]] = asked.rows(lower).certifies(need * spread, error[rows[lower]], target)
+            out[rows] = seen[1].rows(rows).certifies((need / spread, need * spread), error[rows], target).all(dim=0)
             return out
 
         return rule

@@ -58,9 +58,9 @@ class ClippedJacobian:
         self.sample_norms = norms
         self.gradient = op.scale * (self.factor @ per)  # Σ_i s_i g_i without a [B, dθ] temporary
         self.unclipped_gradient = op.scale * per.sum(0)
-        # J_i g_i of every sample ([B, dx], ``_gradient_images``): taken on this operator at the first product that
-        # needs it and shared with the restricted copies (the same dict)
-        self._images: dict = {"op": op, "values": None}
+        # J_i g_i of this operator's samples ([B, dx], ``_gradient_images``): taken at the first product that needs
+        # them, on this operator or sliced from a copy it was restricted from that took them
+        self._images: dict = {"values": None, "parent": None, "index": None}
 
     def __getattr__(self, name: str):  # x, dx, dtheta, batch_size, dtype, device, applications …
         return getattr(self.op, name)
@@ -103,13 +103,19 @@ class ClippedJacobian:
         return self._project(self.op.jt(u))
 
     def _gradient_images(self) -> torch.Tensor:
-        """J_ig_i [b, dx] for this operator's samples (the operator's scaled J, the unscaled per-sample gradients):
-        one J product per sample of the whole batch, on the operator this one was built on, taken once per step — at
-        the first K product or summed Jᵀ product of this operator or of any restricted copy (the solvers' shrinking
-        products) — and shared by all of them."""
-        if self._images["values"] is None:
-            self._images["values"] = self._images["op"].gradient_images()
-        return self._images["values"] if self.rows is None else self._images["values"][self.rows]
+        """J_ig_i [b, dx] for this operator's samples (the operator's scaled J, the unscaled per-sample gradients),
+        taken once per operator at its first K product, summed Jᵀ product or noise J product: the rows of an operator
+        it was restricted from that took them (``restricted``: the solvers' shrinking products), else one J product
+        per sample on this operator itself — its own samples only (the guard's products run on the batch without its
+        negligible samples, whose images nothing needs: they are never clipped), on the graphs its K products
+        build anyway."""
+        images = self._images
+        if images["values"] is None:
+            images["values"] = _taken_above(images)
+            if images["values"] is None:
+                per = self.per if self.rows is None else self.per[self.rows]
+                images["values"] = self.op.gradient_images(per)
+        return images["values"]
 
     def jt_sum(self, u: torch.Tensor) -> torch.Tensor:
         """Σ_i J̄_iᵀu_i = Σ_i s_iP_iJ_iᵀu_i, u [B, dx] → [dθ], without a [B, dθ]: the plain operator's summed
@@ -139,7 +145,18 @@ class ClippedJacobian:
         sub.factor, sub.sample_norms = self.factor[index], self.sample_norms[index]
         sub.inverse_norm = self.inverse_norm[index]
         sub.rows = index if self.rows is None else self.rows[index]  # into the shared per-sample gradients
+        sub._images = {"values": None, "parent": self._images, "index": index}  # this one's, or sliced from above
         return sub
+
+
+def _taken_above(images: dict) -> torch.Tensor | None:
+    """The gradient images an operator's ``_images`` can slice from the nearest operator above it (the one it was
+    restricted from, and so on) that took them; None where none did."""
+    parent = images["parent"]
+    if parent is None:
+        return None
+    above = parent["values"] if parent["values"] is not None else _taken_above(parent)
+    return None if above is None else above[images["index"]]
 
 
 def _clip_projection(w: torch.Tensor, g: torch.Tensor, inverse_norm_sq: torch.Tensor,

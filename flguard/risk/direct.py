@@ -188,13 +188,14 @@ class DirectProducts:
         return self._ghost
 
     @on_exact_float32
-    def gradient_images(self) -> torch.Tensor:
+    def gradient_images(self, gradients: torch.Tensor | None = None) -> torch.Tensor:
         """J_ig_i [B, dx]: each sample's block on its own unscaled gradient (the clipping's rank-one correction,
-        ``flguard.risk.clipped``), by the batched K product's graphs where it has them, else by a J product. One
-        application."""
+        ``flguard.risk.clipped``), by the batched K product's graphs where it has them, else by a J product on
+        ``gradients`` (the unscaled per-sample gradients [B, dθ] where the caller holds them: a restricted copy has
+        none of its own) or on its own. One application."""
         ghost = self._ghost_kmv()
         if ghost is None:
-            return self.j(self.per_sample_gradients().unsqueeze(1))[:, 0]
+            return self.j((self.per_sample_gradients() if gradients is None else gradients).unsqueeze(1))[:, 0]
         self._charge(self.batch_size, 1)
         return self.scale * ghost.gradient_images()
 

@@ -147,7 +147,8 @@ def jacobian_product(op: Jacobian, delta: torch.Tensor) -> torch.Tensor:
 
 def i2f_solve(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float,
               ritz: tuple[torch.Tensor, torch.Tensor] | None = None,
-              max_iter: int | None = None, sufficient: Sufficient | None = None) -> tuple[torch.Tensor, ...]:
+              max_iter: int | None = None, sufficient: Sufficient | None = None,
+              start: LanczosResult | None = None) -> tuple[torch.Tensor, ...]:
     """((K_i+ε_iI)⁻¹J_iδ [B, dx], ‖J_iδ‖, converged, error bound) per sample — I2F's definition, written once.
 
     The solution is the predicted shift of sample i's best reconstruction (model-input units); the
@@ -158,10 +159,12 @@ def i2f_solve(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float,
     ``ritz``: Ritz pairs of K_i (values [B, k], vectors [B, k, dx]) to precondition with; the stop
     is then on the true residual (``flguard.risk.krylov.preconditioned_cg``). ``max_iter`` caps each
     sample's iterations (default: the input size); a sample that reaches it is not converged.
-    ``sufficient``: the caller's early stop with ``ritz`` (``flguard.risk.krylov.Sufficient``).
+    ``sufficient``: the caller's early stop with ``ritz`` (``flguard.risk.krylov.Sufficient``); ``start``: with
+    ``ritz``, a Lanczos run on K_i to start from (``RegularisedK.solve``).
     """
     b = jacobian_product(op, delta)
-    solved = RegularisedK(op, eps).solve(b, rtol=rtol, ritz=ritz, max_iter=max_iter, sufficient=sufficient)
+    solved = RegularisedK(op, eps).solve(b, rtol=rtol, ritz=ritz, max_iter=max_iter, sufficient=sufficient,
+                                         start=start)
     bound = solved.error_bound if solved.error_bound is not None else rtol * solved.solution.norm(dim=1)
     return solved.solution, b.norm(dim=1), solved.converged, bound
 

@@ -144,7 +144,7 @@ def spectral_preconditioner(ritz_values: torch.Tensor, ritz_vectors: torch.Tenso
 def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, precond: Matvec, *,
                       rtol: float = 1e-3, max_iter: int | None = None,
                       rows_matvec: RowsMatvec | None = None, initial: torch.Tensor | None = None,
-                      sufficient: Sufficient | None = None) -> CGResult:
+                      sufficient: Sufficient | None = None, initial_residual: torch.Tensor | None = None) -> CGResult:
     """Solve (A_i + shift_i I) x_i = rhs_i (A_i PSD; shift_i > 0 where rhs_i ≠ 0) by PCG, SPD ``precond``.
 
     The stop is verified: a sample whose recurrence residual passes the test — ``residual_ball``'s
@@ -154,7 +154,9 @@ def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, pr
     restarted). ``solution`` and ``error_bound``: that ball's centre and radius from the explicit
     product's residual — ‖solution − x*‖ ≤ error_bound, since λmin(A+εI) ≥ ε.
     ``rows_matvec``: every product on the samples that need it only (iterating, or being verified).
-    ``initial``: a starting x (its residual is formed by one explicit product); default 0.
+    ``initial``: a starting x (its residual is formed by one explicit product, or taken as ``initial_residual``
+    where the caller derived it: ``flguard.risk.lanczos.galerkin_start`` — an estimate is enough, as every stop is
+    verified on an explicit product's residual); default 0.
     ``sufficient``: the caller's early stop (``Sufficient``), asked on the recurrence residual's bound
     and again on the true one; a sample it accepts there counts as converged.
     """
@@ -173,8 +175,11 @@ def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, pr
         x, r = torch.zeros_like(rhs), rhs.clone()
     else:
         x = torch.where(active.unsqueeze(1), initial, torch.zeros_like(initial))
-        r = rhs - apply(x, active)
-        matvecs += 1
+        if initial_residual is None:
+            r = rhs - apply(x, active)
+            matvecs += 1
+        else:
+            r = torch.where(active.unsqueeze(1), initial_residual, torch.zeros_like(initial_residual))
     z = precond(r)
     p = z.clone()
     rz = (r * z).sum(1)

@@ -35,6 +35,9 @@ class LanczosResult:
     iterations: int
     matvecs: int
     coordinates: torch.Tensor
+    #: β_mq_{m+1} [B, n]: the part of A's image of the last basis vector outside the basis, so that
+    #: AQ = QT + remainder·e_mᵀ (the Lanczos relation; ``galerkin_start``). None where the run did not keep it.
+    remainder: torch.Tensor | None = None
 
     @property
     def lambda_max(self) -> torch.Tensor:
@@ -117,7 +120,27 @@ def lanczos(matvec: Matvec, batch: int, dim: int, *, like: torch.Tensor, rtol: f
         basis = torch.cat([basis, q.unsqueeze(1)], dim=1)
     vectors = torch.einsum("bmn,bmk->bkn", basis, s) if return_vectors else None
     converged = done if step < dim else torch.ones_like(done)
-    return LanczosResult(theta, vectors, basis, residuals, converged, step, step, s)
+    return LanczosResult(theta, vectors, basis, residuals, converged, step, step, s, w)
+
+
+def galerkin_start(run: LanczosResult, rhs: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x₀ [B, n], r₀ [B, n]): the Galerkin solution of (A_i + ε_iI)x = b_i on a Lanczos run's Krylov space Q_i and
+    its residual, for no product — a solver's start that reuses the run (the guard's λmax run before its I2F solve).
+    x₀ = Q_iy_i with y_i = (T_i + ε_iI)⁻¹Q_iᵀb_i (T_i = S_iΘ_iS_iᵀ from the run's Ritz pairs), and by the Lanczos
+    relation (``LanczosResult.remainder``) r₀ = b_i − Q_iQ_iᵀb_i − y_i[m]·β_mq_{m+1}. In floating point the relation
+    holds only to rounding, so r₀ is an estimate: a verified solver forms the true residual before it trusts an
+    iterate. A sample whose shifted Ritz values are not all positive starts from zero (x₀ = 0, r₀ = b_i)."""
+    if run.remainder is None:
+        raise ValueError("galerkin_start needs the run's remainder (LanczosResult.remainder)")
+    basis, coordinates = run.basis.to(rhs), run.coordinates.to(rhs)
+    shifted = run.ritz_values.to(rhs) + shift.unsqueeze(1)
+    usable = (shifted > 0).all(dim=1)
+    inverse = torch.where(usable.unsqueeze(1), 1.0 / torch.where(shifted > 0, shifted, torch.ones_like(shifted)), 0.0)
+    projected = (basis @ rhs.unsqueeze(2)).squeeze(2)  # Q_iᵀb_i [B, m]
+    y = (coordinates @ (inverse * (projected.unsqueeze(1) @ coordinates).squeeze(1)).unsqueeze(2)).squeeze(2)
+    x0 = (y.unsqueeze(1) @ basis).squeeze(1)
+    r0 = rhs - (projected.unsqueeze(1) @ basis).squeeze(1) - y[:, -1:] * run.remainder.to(rhs)
+    return x0, torch.where(usable.unsqueeze(1), r0, rhs)
 
 
 def _ends_converged(residuals: torch.Tensor, theta_min: torch.Tensor, scale: torch.Tensor, rtol: float,

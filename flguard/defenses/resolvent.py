@@ -13,7 +13,8 @@ Each sample's filter length k_i is its own (``CHOOSE_FILTER``, on a run of ``RUN
 the one with the most own I²F per unit of ‖K_iv_i(k)‖ (``chosen_resolvent``, ``FILTER_CHOICE = "kernel"``), read off
 T_i. Weighing the noise by ‖J_iᵀv‖ alone (``"norm"``) aims best per unit of norm but leaves the noise along large-θ
 directions, where the loss curves most: measured, the trained CNN's rounds lost 3 points with it. ‖K_iv‖ weighs each
-direction by θ_j once more; the samples pick k = 4–5 on trained models, the second-order loss the noise adds stays
+direction by θ_j once more; the samples pick k = 4–5 on trained models (on average: in the trained quickstart CNN's
+seeded round most pick 2–3, some 6–7), the second-order loss the noise adds stays
 level with the former fixed filter (6 of a 9-step run, ``CHOOSE_FILTER = False``), and the rounds train as they did,
 for a fifth fewer products in the trained CNN's rounds, 8–16% on trained ResNets (docs/results.md, "Each
 sample's own filter length").

@@ -17,7 +17,7 @@ import flguard.guard.floor as floor_module
 from flguard import Guard, GuardConfig
 from flguard.risk.assess import i2f_solve
 from flguard.risk.krylov import conjugate_gradient, preconditioned_cg, residual_ball, spectral_preconditioner
-from flguard.risk.lanczos import galerkin_start, lanczos
+from flguard.risk.lanczos import Deflation, galerkin_start, lanczos
 from flguard.risk.operator import JacobianOperator
 from flguard.risk.regularised import RegularisedK
 from risk_reference import (assert_reported_rmse, dense_jacobians, dense_shifted_solve as _dense, outlier_kernels as _kernels,
@@ -45,20 +45,27 @@ def test_pcg_matches_solve_within_its_true_residual_bound_and_needs_fewer_produc
     assert pcg.matvecs < plain.matvecs, (pcg.matvecs, plain.matvecs)
 
 
+def _counted_run(top: int = 40, steps: int = 10):
+    """(K_i [4, 200, 200] with ``top`` outliers, b_i, x ↦ K_ix_i counting its calls in ``products``, a ``steps``-step
+    Lanczos run on it, ε_i = 1e-3·λmax): the start and deflation tests' problem."""
+    kernel, rhs = _kernels(top=top)
+    products = [0]
+
+    def matvec(u):
+        products[0] += 1
+        return torch.einsum("bij,bj->bi", kernel, u)
+    run = lanczos(matvec, 4, 200, like=kernel, rtol=0.0, ends="max", min_iter=steps, max_iter=steps,
+                  return_vectors=True)
+    return kernel, rhs, matvec, products, run, 1e-3 * run.lambda_max
+
+
 def test_galerkin_start_is_the_dense_galerkin_solve_on_the_run_and_pcg_from_it_stays_verified():
     """``galerkin_start`` on a 10-step run: x₀ is Q(QᵀKQ + εI)⁻¹Qᵀb written out from the dense K and the run's basis,
     and its residual from the Lanczos relation is b − (K + εI)x₀ to rounding — for no product. PCG from it (that
     residual taken as given) returns the ball of an explicit product's residual, which holds x*, with fewer products
     than from zero (40 outliers, 10 of them found: 35 against 42); a negative shifted Ritz value (no valid shift)
     starts that sample from zero."""
-    kernel, rhs = _kernels(top=40)
-    products = [0]
-
-    def matvec(u):
-        products[0] += 1
-        return torch.einsum("bij,bj->bi", kernel, u)
-    run = lanczos(matvec, 4, 200, like=kernel, rtol=0.0, ends="max", min_iter=10, max_iter=10, return_vectors=True)
-    eps = 1e-3 * run.lambda_max
+    kernel, rhs, matvec, products, run, eps = _counted_run()
     q = run.basis.transpose(1, 2)  # [B, n, m]
     small = q.transpose(1, 2) @ kernel @ q + eps.view(-1, 1, 1) * torch.eye(10, dtype=kernel.dtype)
     dense_x0 = (q @ torch.linalg.solve(small, q.transpose(1, 2) @ rhs.unsqueeze(2))).squeeze(2)
@@ -81,6 +88,42 @@ def test_galerkin_start_is_the_dense_galerkin_solve_on_the_run_and_pcg_from_it_s
     negative[1] = -2 * run.ritz_values[1, -1]  # every shifted Ritz value of sample 1 negative
     x0, r0 = galerkin_start(run, rhs, negative)
     assert bool((x0[1] == 0).all()) and torch.equal(r0[1], rhs[1])
+
+
+def test_deflated_pcg_on_the_runs_krylov_space_stays_verified_and_needs_fewer_products():
+    """``Deflation`` on a 10-step run: its directions are A-orthogonal to the run's basis ((K + εI)W written out
+    densely), and PCG deflated by it — started on the space for no product, every direction kept A-orthogonal —
+    returns the explicit residual's ball that holds x* (dense solve) in fewer products than started there alone."""
+    kernel, rhs, matvec, products, run, eps = _counted_run()
+    deflation = Deflation(run, eps, rhs)
+    z = torch.randn(4, 200, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    applied = torch.einsum("bij,bkj->bki", kernel, run.basis) + eps.view(-1, 1, 1) * run.basis  # (K + εI)W [B, m, n]
+    torch.testing.assert_close(applied @ deflation.directions(z).unsqueeze(2), torch.zeros(4, 10, 1, dtype=z.dtype),
+                               rtol=0, atol=1e-9 * float(z.norm()))
+    precond = spectral_preconditioner(run.ritz_values, run.ritz_vectors, eps)
+    exact = _dense(kernel, rhs, eps)
+    x0, r0 = galerkin_start(run, rhs, eps)
+    products[0] = 0
+    deflated = preconditioned_cg(matvec, rhs, eps, precond, rtol=1e-2, deflation=deflation)
+    deflated_products, products[0] = products[0], 0
+    started = preconditioned_cg(matvec, rhs, eps, precond, rtol=1e-2, initial=x0, initial_residual=r0)
+    assert bool(deflated.converged.all()) and bool(started.converged.all())
+    centre, radius = residual_ball_of(deflated.iterate, rhs, lambda u: torch.einsum("bij,bj->bi", kernel, u), eps)
+    torch.testing.assert_close(deflated.error_bound, radius, rtol=1e-6, atol=0)
+    assert torch.all((deflated.solution - exact).norm(dim=1) <= deflated.error_bound)
+    assert deflated_products == deflated.matvecs < products[0] == started.matvecs, (deflated.matvecs, started.matvecs)
+    # a run whose space is the whole input space (a tiny model): nothing left to deflate into, and PCG still converges
+    small, small_rhs = _kernels(dx=12, top=3)
+    whole = lanczos(lambda u: torch.einsum("bij,bj->bi", small, u), 4, 12, like=small, rtol=0.0, ends="max",
+                    min_iter=12, max_iter=12, return_vectors=True)
+    small_eps = 1e-3 * whole.lambda_max
+    solved = preconditioned_cg(lambda u: torch.einsum("bij,bj->bi", small, u), small_rhs, small_eps,
+                               spectral_preconditioner(whole.ritz_values, whole.ritz_vectors, small_eps), rtol=1e-2,
+                               deflation=Deflation(whole, small_eps, small_rhs))
+    assert bool(solved.converged.all())
+    exact_small = _dense(small, small_rhs, small_eps)  # solved to rounding here: the bound holds to the reference's
+    slack = 1e-12 * exact_small.norm(dim=1)
+    assert torch.all((solved.solution - exact_small).norm(dim=1) <= solved.error_bound + slack)
 
 
 def test_pcg_stops_the_samples_a_sufficient_rule_accepts_with_their_true_bound():

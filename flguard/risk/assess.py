@@ -148,7 +148,7 @@ def jacobian_product(op: Jacobian, delta: torch.Tensor) -> torch.Tensor:
 def i2f_solve(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float,
               ritz: tuple[torch.Tensor, torch.Tensor] | None = None,
               max_iter: int | None = None, sufficient: Sufficient | None = None,
-              start: LanczosResult | None = None) -> tuple[torch.Tensor, ...]:
+              start: LanczosResult | None = None, deflate: bool = True) -> tuple[torch.Tensor, ...]:
     """((K_i+ε_iI)⁻¹J_iδ [B, dx], ‖J_iδ‖, converged, error bound) per sample — I2F's definition, written once.
 
     The solution is the predicted shift of sample i's best reconstruction (model-input units); the
@@ -160,11 +160,11 @@ def i2f_solve(op: Jacobian, delta: torch.Tensor, eps: torch.Tensor, rtol: float,
     is then on the true residual (``flguard.risk.krylov.preconditioned_cg``). ``max_iter`` caps each
     sample's iterations (default: the input size); a sample that reaches it is not converged.
     ``sufficient``: the caller's early stop with ``ritz`` (``flguard.risk.krylov.Sufficient``); ``start``: with
-    ``ritz``, a Lanczos run on K_i to start from (``RegularisedK.solve``).
+    ``ritz``, a Lanczos run on K_i to start from and, with ``deflate``, to deflate (``RegularisedK.solve``).
     """
     b = jacobian_product(op, delta)
     solved = RegularisedK(op, eps).solve(b, rtol=rtol, ritz=ritz, max_iter=max_iter, sufficient=sufficient,
-                                         start=start)
+                                         start=start, deflate=deflate)
     bound = solved.error_bound if solved.error_bound is not None else rtol * solved.solution.norm(dim=1)
     return solved.solution, b.norm(dim=1), solved.converged, bound
 

@@ -20,7 +20,7 @@ x, for no product — and test rtol on it: radius ≤ rtol × the centre's norm.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -34,6 +34,16 @@ RowsMatvec = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: test; the caller re-checks the verified result, so the rule decides how much is spent, never
 #: whether a certificate holds. Every row of x is current: the rule may look at the whole batch.
 Sufficient = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Deflating(Protocol):
+    """A deflation space for CG (``flguard.risk.lanczos.Deflation``: a Lanczos run's Krylov space)."""
+
+    def correct(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, r) corrected on the space (Galerkin), r the new residual (an estimate)."""
+
+    def directions(self, z: torch.Tensor) -> torch.Tensor:
+        """z made A-orthogonal to the space."""
 
 
 #: The verified solvers return ``residual_ball``'s centre and radius (False: the iterate x and ‖r‖/ε, as before;
@@ -144,7 +154,8 @@ def spectral_preconditioner(ritz_values: torch.Tensor, ritz_vectors: torch.Tenso
 def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, precond: Matvec, *,
                       rtol: float = 1e-3, max_iter: int | None = None,
                       rows_matvec: RowsMatvec | None = None, initial: torch.Tensor | None = None,
-                      sufficient: Sufficient | None = None, initial_residual: torch.Tensor | None = None) -> CGResult:
+                      sufficient: Sufficient | None = None, initial_residual: torch.Tensor | None = None,
+                      deflation: Deflating | None = None) -> CGResult:
     """Solve (A_i + shift_i I) x_i = rhs_i (A_i PSD; shift_i > 0 where rhs_i ≠ 0) by PCG, SPD ``precond``.
 
     The stop is verified: a sample whose recurrence residual passes the test — ``residual_ball``'s
@@ -156,7 +167,11 @@ def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, pr
     ``rows_matvec``: every product on the samples that need it only (iterating, or being verified).
     ``initial``: a starting x (its residual is formed by one explicit product, or taken as ``initial_residual``
     where the caller derived it: ``flguard.risk.lanczos.galerkin_start`` — an estimate is enough, as every stop is
-    verified on an explicit product's residual); default 0.
+    verified on an explicit product's residual); default 0. ``deflation``: a space the start is corrected on
+    (Galerkin, ``Deflating.correct``; from 0 that is the start, for no product) and every search direction made
+    A-orthogonal to (``Deflating.directions``: deflated CG), so the iteration works on the rest of the space; a
+    sample restarted from its true residual is corrected on it again. Its residuals are estimates: every stop is
+    verified on an explicit product's residual as without it.
     ``sufficient``: the caller's early stop (``Sufficient``), asked on the recurrence residual's bound
     and again on the true one; a sample it accepts there counts as converged.
     """
@@ -173,6 +188,8 @@ def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, pr
     matvecs = iterations = 0
     if initial is None:
         x, r = torch.zeros_like(rhs), rhs.clone()
+        if deflation is not None:
+            x, r = deflation.correct(x, r)
     else:
         x = torch.where(active.unsqueeze(1), initial, torch.zeros_like(initial))
         if initial_residual is None:
@@ -181,7 +198,7 @@ def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, pr
         else:
             r = torch.where(active.unsqueeze(1), initial_residual, torch.zeros_like(initial_residual))
     z = precond(r)
-    p = z.clone()
+    p = z.clone() if deflation is None else deflation.directions(z)
     rz = (r * z).sum(1)
     converged = ~active
     pending = torch.zeros_like(active)  # passed on the recurrence residual, awaiting the true one
@@ -211,12 +228,16 @@ def preconditioned_cg(matvec: Matvec, rhs: torch.Tensor, shift: torch.Tensor, pr
             converged = converged | verified
             restart = pending & ~verified
             active, pending = restart, torch.zeros_like(pending)
+            if deflation is not None and bool(restart.any()):  # the true residual left the space's complement
+                corrected = deflation.correct(x, r)
+                x, r = (torch.where(restart.unsqueeze(1), new, old) for new, old in zip(corrected, (x, r)))
         if not bool(active.any()):
             break
         z = precond(r)
         rz_new = torch.where(active, (r * z).sum(1), rz)
         beta = torch.where(restart, torch.zeros_like(rz), rz_new / rz.clamp_min(tiny))
-        p = torch.where(active.unsqueeze(1), z + beta.unsqueeze(1) * p, p)
+        direction = z if deflation is None else deflation.directions(z)
+        p = torch.where(active.unsqueeze(1), direction + beta.unsqueeze(1) * p, p)
         rz = rz_new
     unverified = ~converged
     if bool(unverified.any()):  # out of iterations: the ball of the x returned, from an explicit product

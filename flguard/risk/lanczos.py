@@ -123,24 +123,52 @@ def lanczos(matvec: Matvec, batch: int, dim: int, *, like: torch.Tensor, rtol: f
     return LanczosResult(theta, vectors, basis, residuals, converged, step, step, s, w)
 
 
+class Deflation:
+    """A Lanczos run's Krylov space W_i = Q_i as a deflation space for CG on A_i + ε_iI (``shift``), for no product:
+    by the Lanczos relation (``LanczosResult.remainder``) (A_i + ε_iI)W_i = W_i(T_i + ε_iI) + β_mq_{m+1}e_mᵀ, so
+    W_iᵀ(A_i + ε_iI)W_i = T_i + ε_iI (β_mq_{m+1} ⟂ W_i) with T_i = S_iΘ_iS_iᵀ from the run's Ritz pairs.
+
+    ``correct``: the Galerkin correction on W — a start that reuses the run (the guard's λmax run before its I2F
+    solve); ``directions``: a search direction made A-orthogonal to W (deflated CG: Saad, Yeung, Erhel and
+    Guyomarc'h), so the iteration works on the rest of the space. In floating point the relation holds only to
+    rounding: the residuals these give are estimates, and a verified solver forms the true residual before it trusts
+    an iterate. A sample whose shifted Ritz values are not all positive is left alone (no correction, z itself)."""
+
+    def __init__(self, run: LanczosResult, shift: torch.Tensor, like: torch.Tensor) -> None:
+        if run.remainder is None:
+            raise ValueError("a deflation space needs the run's remainder (LanczosResult.remainder)")
+        self.basis, self.remainder = run.basis.to(like), run.remainder.to(like)
+        coordinates = run.coordinates.to(like)
+        shifted = run.ritz_values.to(like) + shift.unsqueeze(1)
+        usable = (shifted > 0).all(dim=1, keepdim=True)
+        inverse = torch.where(usable, 1.0 / torch.where(shifted > 0, shifted, torch.ones_like(shifted)), 0.0)
+        #: (T_i + ε_iI)⁻¹ and T_i + ε_iI [B, m, m], zero for a sample left alone
+        self.inverse = (coordinates * inverse.unsqueeze(1)) @ coordinates.transpose(1, 2)
+        self.gram = (coordinates * torch.where(usable, shifted, 0.0).unsqueeze(1)) @ coordinates.transpose(1, 2)
+
+    def correct(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + W_iy_i, r − (A_i + ε_iI)W_iy_i) with y_i = (T_i + ε_iI)⁻¹W_iᵀr_i, for an iterate x [B, n] and its
+        residual r: from x = 0, r = b the Galerkin solution on W and its residual b − W_iW_iᵀb − y_i[m]·β_mq_{m+1}."""
+        y = (self.inverse @ (self.basis @ r.unsqueeze(2))).squeeze(2)
+        image = (((self.gram @ y.unsqueeze(2)).squeeze(2)).unsqueeze(1) @ self.basis).squeeze(1)
+        return x + (y.unsqueeze(1) @ self.basis).squeeze(1), r - image - y[:, -1:] * self.remainder
+
+    def directions(self, z: torch.Tensor) -> torch.Tensor:
+        """z − W_i(T_i + ε_iI)⁻¹((A_i + ε_iI)W_i)ᵀz [B, n]: z made A-orthogonal to W_i, ((A + εI)W)ᵀz =
+        (T + εI)Wᵀz + e_m·⟨β_mq_{m+1}, z⟩ — or z itself where that leaves nothing of it (below √machine-ε of its norm:
+        a run whose space is the whole input space, on a tiny model), so the iteration never takes a zero step."""
+        image = (self.gram @ (self.basis @ z.unsqueeze(2))).squeeze(2)
+        image[:, -1] += (self.remainder * z).sum(dim=1)
+        coefficients = (self.inverse @ image.unsqueeze(2)).squeeze(2)
+        deflated = z - (coefficients.unsqueeze(1) @ self.basis).squeeze(1)
+        kept = deflated.norm(dim=1, keepdim=True) > torch.finfo(z.dtype).eps ** 0.5 * z.norm(dim=1, keepdim=True)
+        return torch.where(kept, deflated, z)
+
+
 def galerkin_start(run: LanczosResult, rhs: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x₀ [B, n], r₀ [B, n]): the Galerkin solution of (A_i + ε_iI)x = b_i on a Lanczos run's Krylov space Q_i and
-    its residual, for no product — a solver's start that reuses the run (the guard's λmax run before its I2F solve).
-    x₀ = Q_iy_i with y_i = (T_i + ε_iI)⁻¹Q_iᵀb_i (T_i = S_iΘ_iS_iᵀ from the run's Ritz pairs), and by the Lanczos
-    relation (``LanczosResult.remainder``) r₀ = b_i − Q_iQ_iᵀb_i − y_i[m]·β_mq_{m+1}. In floating point the relation
-    holds only to rounding, so r₀ is an estimate: a verified solver forms the true residual before it trusts an
-    iterate. A sample whose shifted Ritz values are not all positive starts from zero (x₀ = 0, r₀ = b_i)."""
-    if run.remainder is None:
-        raise ValueError("galerkin_start needs the run's remainder (LanczosResult.remainder)")
-    basis, coordinates = run.basis.to(rhs), run.coordinates.to(rhs)
-    shifted = run.ritz_values.to(rhs) + shift.unsqueeze(1)
-    usable = (shifted > 0).all(dim=1)
-    inverse = torch.where(usable.unsqueeze(1), 1.0 / torch.where(shifted > 0, shifted, torch.ones_like(shifted)), 0.0)
-    projected = (basis @ rhs.unsqueeze(2)).squeeze(2)  # Q_iᵀb_i [B, m]
-    y = (coordinates @ (inverse * (projected.unsqueeze(1) @ coordinates).squeeze(1)).unsqueeze(2)).squeeze(2)
-    x0 = (y.unsqueeze(1) @ basis).squeeze(1)
-    r0 = rhs - (projected.unsqueeze(1) @ basis).squeeze(1) - y[:, -1:] * run.remainder.to(rhs)
-    return x0, torch.where(usable.unsqueeze(1), r0, rhs)
+    """(x₀, r₀) [B, n]: the Galerkin solution of (A_i + ε_iI)x = b_i on the run's Krylov space and its residual
+    (``Deflation.correct`` from zero), for no product."""
+    return Deflation(run, shift, rhs).correct(torch.zeros_like(rhs), rhs)
 
 
 def _ends_converged(residuals: torch.Tensor, theta_min: torch.Tensor, scale: torch.Tensor, rtol: float,

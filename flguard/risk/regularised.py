@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from flguard.risk.krylov import CGResult, Sufficient, conjugate_gradient, preconditioned_cg, spectral_preconditioner
-from flguard.risk.lanczos import LanczosResult, galerkin_start, lanczos
+from flguard.risk.lanczos import Deflation, LanczosResult, galerkin_start, lanczos
 from flguard.risk.lanczos_solve import LanczosSolveResult, lanczos_solve
 from flguard.risk.clipped import Jacobian, base_operator
 
@@ -153,21 +153,25 @@ class RegularisedK:
 
     def solve(self, rhs: torch.Tensor, *, rtol: float = 1e-3, max_iter: int | None = None,
               ritz: tuple[torch.Tensor, torch.Tensor] | None = None, sufficient: Sufficient | None = None,
-              start: LanczosResult | None = None) -> CGResult:
+              start: LanczosResult | None = None, deflate: bool = True) -> CGResult:
         """(K_i + ε_iI)⁻¹ rhs_i by CG, rhs [B, dx]; with ε > 0 its relative error is at most
         ``rtol`` (the bound ‖r‖/ε, ``flguard.risk.krylov``). ``ritz``: (values [B, k], vectors
         [B, k, dx]) of K_i — PCG with their spectral preconditioner, stopped on the true residual
         (where some ε_i = 0 with rhs_i ≠ 0 there is no ‖r‖/ε bound: plain CG, as without).
         ``sufficient``: the caller's early stop, on the verified PCG path only. ``start``: a Lanczos run on this K
-        (with its remainder) whose Galerkin solution PCG starts from, for no product (``galerkin_start``)."""
+        (with its remainder) whose Galerkin solution PCG starts from, for no product, and with ``deflate`` whose
+        Krylov space its search directions stay A-orthogonal to (deflated CG, ``flguard.risk.lanczos.Deflation``)."""
         shift = self.eps if self.eps is not None else torch.zeros(self.op.batch_size, dtype=self.dtype,
                                                                   device=self.device)
         rows = ShrinkingProducts(self.op) if SHRINK_TO_ACTIVE and not base_operator(self.op).coupled else None
         if ritz is not None and bool(((shift > 0) | (rhs.norm(dim=1) == 0)).all()):
             precond = spectral_preconditioner(ritz[0].to(rhs), ritz[1].to(rhs), shift)
-            initial, residual = galerkin_start(start, rhs, shift) if start is not None else (None, None)
+            deflation = Deflation(start, shift, rhs) if start is not None and deflate else None
+            initial, residual = (galerkin_start(start, rhs, shift) if start is not None and not deflate
+                                 else (None, None))
             return preconditioned_cg(self._kernel, rhs, shift, precond, rtol=rtol, max_iter=max_iter, rows_matvec=rows,
-                                     sufficient=sufficient, initial=initial, initial_residual=residual)
+                                     sufficient=sufficient, initial=initial, initial_residual=residual,
+                                     deflation=deflation)
         return conjugate_gradient(self._kernel, rhs, shift, rtol=rtol, max_iter=max_iter, rows_matvec=rows)
 
     def solve_with_lambda_max(self, rhs: torch.Tensor, eps: float, *, relative: bool = True, rtol: float = 1e-3,

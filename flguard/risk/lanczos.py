@@ -140,26 +140,27 @@ class Deflation:
         self.basis, self.remainder = run.basis.to(like), run.remainder.to(like)
         coordinates = run.coordinates.to(like)
         shifted = run.ritz_values.to(like) + shift.unsqueeze(1)
-        usable = (shifted > 0).all(dim=1, keepdim=True)
-        inverse = torch.where(usable, 1.0 / torch.where(shifted > 0, shifted, torch.ones_like(shifted)), 0.0)
-        #: (T_i + ε_iI)⁻¹ and T_i + ε_iI [B, m, m], zero for a sample left alone
+        self.usable = (shifted > 0).all(dim=1, keepdim=True)  # [B, 1]
+        inverse = torch.where(self.usable, 1.0 / torch.where(shifted > 0, shifted, torch.ones_like(shifted)), 0.0)
+        #: (T_i + ε_iI)⁻¹ [B, m, m], zero for a sample left alone
         self.inverse = (coordinates * inverse.unsqueeze(1)) @ coordinates.transpose(1, 2)
-        self.gram = (coordinates * torch.where(usable, shifted, 0.0).unsqueeze(1)) @ coordinates.transpose(1, 2)
 
     def correct(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + W_iy_i, r − (A_i + ε_iI)W_iy_i) with y_i = (T_i + ε_iI)⁻¹W_iᵀr_i, for an iterate x [B, n] and its
-        residual r: from x = 0, r = b the Galerkin solution on W and its residual b − W_iW_iᵀb − y_i[m]·β_mq_{m+1}."""
-        y = (self.inverse @ (self.basis @ r.unsqueeze(2))).squeeze(2)
-        image = (((self.gram @ y.unsqueeze(2)).squeeze(2)).unsqueeze(1) @ self.basis).squeeze(1)
+        residual r: (A_i + ε_iI)W_iy_i = W_iW_iᵀr_i + y_i[m]·β_mq_{m+1}; from x = 0, r = b the Galerkin solution on W
+        and its residual b − W_iW_iᵀb − y_i[m]·β_mq_{m+1}."""
+        projected = torch.where(self.usable, (self.basis @ r.unsqueeze(2)).squeeze(2), 0.0)  # W_iᵀr_i [B, m]
+        y = (self.inverse @ projected.unsqueeze(2)).squeeze(2)
+        image = (projected.unsqueeze(1) @ self.basis).squeeze(1)
         return x + (y.unsqueeze(1) @ self.basis).squeeze(1), r - image - y[:, -1:] * self.remainder
 
     def directions(self, z: torch.Tensor) -> torch.Tensor:
-        """z − W_i(T_i + ε_iI)⁻¹((A_i + ε_iI)W_i)ᵀz [B, n]: z made A-orthogonal to W_i, ((A + εI)W)ᵀz =
-        (T + εI)Wᵀz + e_m·⟨β_mq_{m+1}, z⟩ — or z itself where that leaves nothing of it (below √machine-ε of its norm:
-        a run whose space is the whole input space, on a tiny model), so the iteration never takes a zero step."""
-        image = (self.gram @ (self.basis @ z.unsqueeze(2))).squeeze(2)
-        image[:, -1] += (self.remainder * z).sum(dim=1)
-        coefficients = (self.inverse @ image.unsqueeze(2)).squeeze(2)
+        """z − W_i(T_i + ε_iI)⁻¹((A_i + ε_iI)W_i)ᵀz [B, n]: z made A-orthogonal to W_i, where
+        (T + εI)⁻¹((A + εI)W)ᵀz = Wᵀz + (T + εI)⁻¹e_m·⟨β_mq_{m+1}, z⟩ — or z itself where that leaves nothing of it
+        (below √machine-ε of its norm: a run whose space is the whole input space, on a tiny model), so the iteration
+        never takes a zero step."""
+        coefficients = (torch.where(self.usable, (self.basis @ z.unsqueeze(2)).squeeze(2), 0.0)
+                        + self.inverse[:, :, -1] * (self.remainder * z).sum(dim=1, keepdim=True))
         deflated = z - (coefficients.unsqueeze(1) @ self.basis).squeeze(1)
         kept = deflated.norm(dim=1, keepdim=True) > torch.finfo(z.dtype).eps ** 0.5 * z.norm(dim=1, keepdim=True)
         return torch.where(kept, deflated, z)

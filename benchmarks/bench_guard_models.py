@@ -131,7 +131,8 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
            settings: dict, products: str = "auto", compile_mode: str | None = None, transposed: str = "default",
            shrink: str = "default", dropout: str = "train") -> dict:
     """One local round in this (child) process; its measurements and this process's peak RSS. ``products``:
-    the operator's path, "auto" (its own choice) or forced "cached" / "direct" (``CACHED_UP_TO`` set here);
+    the operator's path, "auto" (its own choice), forced "cached" / "direct" (``CACHED_UP_TO`` set here) or "ghost"
+    (the batched ghost products on a CUDA device too, ``GUARD_GHOST_ON_CUDA``);
     ``compile_mode``: the K products through ``torch.compile`` in this mode (``COMPILE_PRODUCTS``); ``transposed``
     "on"/"off": the cached Jᵀ pullback built with convolutions' input gradients as transposed convolutions or not
     (``CACHED_TRANSPOSED_INPUT_GRADS``; "default": as shipped); ``shrink`` "on"/"off": the solves' products on their
@@ -145,7 +146,9 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
     if shrink != "default":
         regularised.SHRINK_TO_ACTIVE = shrink == "on"
 
-    if products != "auto":
+    if products == "ghost":
+        sizing.GUARD_GHOST_ON_CUDA = True
+    elif products != "auto":
         sizing.CACHED_UP_TO = 2 ** 62 if products == "cached" else 0
         if products == "direct":  # a CUDA device's memory would otherwise keep the cached pullbacks
             sizing.CUDA_CACHED_SHARE = 0.0
@@ -210,8 +213,9 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=150)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--products", choices=["auto", "cached", "direct"], default="auto",
-                        help="the Jacobian products' path (default: the operator's own choice by size)")
+    parser.add_argument("--products", choices=["auto", "cached", "direct", "ghost"], default="auto",
+                        help="the Jacobian products' path (default: the operator's own choice by size); ghost: the "
+                             "batched ghost products on a CUDA device too (GUARD_GHOST_ON_CUDA), as on the CPU")
     parser.add_argument("--compile-mode", default=None,
                         help="the guard's K products through torch.compile in this mode (default, reduce-overhead: "
                              "CUDA graphs, …; flguard.risk.regularised.COMPILE_PRODUCTS); the first compile is in "

@@ -437,6 +437,36 @@ def test_products_ghost_replaces_the_direct_paths_vmapped_chunks(kept, monkeypat
     assert "takes the parameter norm" in refused.ghost_refused
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_ghost_products_on_cuda_keep_graphs_the_cpu_would_rebuild_and_match_the_dense_jacobian(monkeypatch):
+    """On a CUDA device (``GUARD_GHOST_ON_CUDA``, off by default until measured there): graphs larger than
+    ``RETAINED_BYTES`` are kept while they fit in ``CUDA_RETAINED_SHARE`` of the card's free memory — on the CPU the
+    same batch is rebuilt — and the K product, the clipping's images, J of a shared vector and the summed Jᵀ on the card
+    equal the dense float64 blocks taken on the CPU."""
+    monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)
+    model = _model()
+    x, y = _batch()
+    assert ghost_products.graph_bytes(torch.device("cpu")) == (0, ghost_products.CHUNK_BYTES)
+    assert ghost_products.graph_bytes(torch.device("cuda"))[0] > 0
+    u = torch.randn(3, 2, x[0].numel(), dtype=torch.float64)
+    want, jac = _dense_k(model, x, y, u), _dense_jacobians(model, x, y)
+    model.cuda()
+    op = JacobianOperator(model, x.cuda(), y.cuda(), products="direct")
+    ghost = GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
+    assert ghost.retained and ghost.graphs is not None
+    unscaled = jac / op.scale
+    for _ in range(2):  # the second product on the kept graphs
+        torch.testing.assert_close(op.scale ** 2 * ghost(u.cuda()).cpu(), want, rtol=1e-9, atol=1e-12)
+    grads = ghost.sample_gradients().cpu()
+    torch.testing.assert_close(ghost.gradient_images().cpu(), torch.einsum("bap,bp->ba", unscaled, grads),
+                               rtol=1e-9, atol=1e-12)
+    v = torch.randn(op.dtheta, dtype=torch.float64)
+    torch.testing.assert_close(ghost.shared_j(v.cuda()).cpu(), torch.einsum("bap,p->ba", unscaled, v), rtol=1e-9,
+                               atol=1e-12)
+    torch.testing.assert_close(ghost.transposed_sum(u[:, 0].cuda()).cpu(), torch.einsum("bap,ba->p", unscaled, u[:, 0]),
+                               rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("channels", [3, 16], ids=["col2im backward", "slices backward"])
 def test_patches_equal_unfold_and_its_gradient(channels):
     """``_Patches`` (a strided view copied, its backward strided slice additions or ``F.fold``) against ``F.unfold``

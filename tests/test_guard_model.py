@@ -84,7 +84,8 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"
     ("gaussian", "direct-vmap", "cpu"), ("resolvent", "direct-vmap", "cpu"),
     pytest.param("gaussian", "cached", "cuda", marks=CUDA), pytest.param("gaussian", "direct", "cuda", marks=CUDA),
     pytest.param("eigen", "direct", "cuda", marks=CUDA), pytest.param("resolvent", "cached", "cuda", marks=CUDA),
-    pytest.param("resolvent", "direct", "cuda", marks=CUDA)])
+    pytest.param("resolvent", "direct", "cuda", marks=CUDA), pytest.param("resolvent", "ghost", "cuda", marks=CUDA),
+    pytest.param("gaussian", "ghost", "cuda", marks=CUDA)])
 def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f(defense, products, device, monkeypatch):
     """make_guarded with median clipping, exclusion and the 15 dB pixel floor (its pixel box, ε =
     1e-2·λmax) on a 3-channel GroupNorm ResNet fed channels-last inputs: the noise actually applied
@@ -93,9 +94,11 @@ def test_median_clipping_on_a_channels_last_resnet_matches_dense_float64_i2f(def
     take (two samples per chunk here, on a CUDA device too; "direct-1": one sample at a time, with plain
     autograd, as a ResNet-18's on the CPU), on the CPU and on a CUDA device (the reference always on the CPU). On
     the CPU the guard's operator runs both on the batched ghost products; "direct-vmap" keeps the vmapped chunks of
-    two samples that a model the ghost products refuse takes there (``GUARD_GHOST_ON_CPU`` off)."""
+    two samples that a model the ghost products refuse takes there (``GUARD_GHOST_ON_CPU`` off); "ghost" on a CUDA
+    device: the batched ghost products there too (``GUARD_GHOST_ON_CUDA``, off by default)."""
     from flguard.risk import sizing
     torch.manual_seed(0)
+    monkeypatch.setattr(sizing, "GUARD_GHOST_ON_CUDA", products == "ghost")
     model = create("resnet8_gn", image_size=6).double()
     if products.startswith("direct"):
         dtheta = sum(p.numel() for p in model.parameters())

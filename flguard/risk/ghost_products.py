@@ -65,6 +65,12 @@ from flguard.risk.ghost_forward import PerSampleParameters, Unsupported, ghost_s
 #: of at most 7, 2.72× (issue 22's bound: 3×).
 RETAINED_BYTES = 2 ** 28
 CHUNK_BYTES = 2 ** 27
+#: On a CUDA device the graphs are also kept while the whole batch's fit in this share of the device's free memory
+#: at the product's creation, and rebuilt in chunks of at most half that where they do not: a GPU wants few, large
+#: kernels (a chunk is one more launch-bound pass), and its memory, not the host's RSS, is the limit — as the cached
+#: pullbacks' ``flguard.risk.sizing.CUDA_CACHED_SHARE``. A ResNet-18-GN at 32×32 keeps 17 MB a sample: B = 32 in
+#: 0.55 GB, kept on any card with 2.2 GB free (on the CPU, rebuilt in chunks of 7).
+CUDA_RETAINED_SHARE = 0.25
 #: ``GhostKmv.overhead_rows``' unit: a parameter tensor's share of a product's fixed cost, as the bytes per sample whose
 #: rows cost as much. Measured on the quickstart CNN at one CPU thread: a K product 7.2 ms on one row and 0.52 ms a row
 #: more, its graphs' build 6 ms plus 0.17 a row, 10 parameter tensors and 54 kB per sample.
@@ -113,13 +119,14 @@ class GhostKmv:
         #: earlier step (``_MEASURED``) where the batch's graphs are then kept: building them checks the pass as well
         batch = int(x.shape[0])
         key = _measure_key(model, params, x)
+        retained_bytes, chunk_bytes = graph_bytes(x.device)
         if sample_bytes is None:
             earlier = _MEASURED.get(model, {}).get(key)
-            sample_bytes = earlier if earlier is not None and batch * earlier <= RETAINED_BYTES else None
+            sample_bytes = earlier if earlier is not None and batch * earlier <= retained_bytes else None
         self.sample_bytes = sample_bytes if sample_bytes is not None else max(self._measure(), 1)
         _MEASURED.setdefault(model, {})[key] = self.sample_bytes
-        self.retained = batch * self.sample_bytes <= RETAINED_BYTES
-        most = batch if self.retained else max(1, CHUNK_BYTES // self.sample_bytes)
+        self.retained = batch * self.sample_bytes <= retained_bytes
+        most = batch if self.retained else max(1, chunk_bytes // self.sample_bytes)
         self.chunk = -(-batch // -(-batch // most))  # the fewest chunks of at most ``most`` samples, evened out
         self.graphs = [self._build(start) for start in range(0, batch, self.chunk)] if self.retained else None
 
@@ -284,6 +291,18 @@ class GhostKmv:
             return graph.x.new_zeros(graph.x.shape[0], graph.x[0].numel())
         (result,) = torch.autograd.grad(total, graph.x, retain_graph=keep, allow_unused=True, materialize_grads=True)
         return result.reshape(graph.x.shape[0], -1)
+
+
+def graph_bytes(device: torch.device) -> tuple[int, int]:
+    """(bytes the batch's graphs may take and still be kept for the step, bytes of a chunk rebuilt at each product):
+    ``RETAINED_BYTES`` and ``CHUNK_BYTES``, on a CUDA device at least ``CUDA_RETAINED_SHARE`` of its free memory and
+    half that."""
+    retained, chunk = RETAINED_BYTES, CHUNK_BYTES
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        share = int(CUDA_RETAINED_SHARE * free)
+        retained, chunk = max(retained, share), max(chunk, share // 2)
+    return retained, chunk
 
 
 def shared_weights(model: nn.Module) -> dict[str, bool]:

@@ -51,13 +51,21 @@ DIRECT_FLOATS_PER_PARAMETER = 8
 #: round at B = 32 491 → 417 ms a step on average over four pairs side by side, the same iterates (docs/results.md,
 #: "Ghost products on small models") — and larger batches take it instead of the direct path's vmapped chunks
 #: (EfficientNet-B0's K product at B = 32 25.1 → 1.77 s: "Self-attention in the batched products").
-#: Elsewhere, and with False, "auto" (the ghost product is not measured on a GPU).
+#: Elsewhere, and with False, "auto".
 GUARD_GHOST_ON_CPU = True
+#: The same on a CUDA device, off until measured there (no GPU has been lent since the ghost products were built): the
+#: cached pullbacks, 9.6 GB at B = 32 on ResNet-18-GN, were the GPU's fastest path before them (a guarded step 2.0 s,
+#: 224× its training step on an H200). ``benchmarks/gpu_run.sh`` runs the guard both ways on a lent card
+#: (``bench_guard_models.py --products ghost``); the graphs are kept there while they fit in a share of the card's
+#: free memory (``flguard.risk.ghost_products.CUDA_RETAINED_SHARE``).
+GUARD_GHOST_ON_CUDA = False
 
 
 def guard_products(device: torch.device) -> str:
-    """The ``products`` setting of the guard's operator on ``device`` (``GUARD_GHOST_ON_CPU``)."""
-    return "ghost" if GUARD_GHOST_ON_CPU and device.type == "cpu" else "auto"
+    """The ``products`` setting of the guard's operator on ``device`` (``GUARD_GHOST_ON_CPU``,
+    ``GUARD_GHOST_ON_CUDA``)."""
+    ghost = GUARD_GHOST_ON_CPU if device.type == "cpu" else GUARD_GHOST_ON_CUDA and device.type == "cuda"
+    return "ghost" if ghost else "auto"
 
 
 def direct_sample_chunk(dtheta: int, batch: int, device: torch.device, element_size: int = 4) -> int:

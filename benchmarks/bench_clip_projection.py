@@ -28,7 +28,7 @@ from flguard.risk.operator import JacobianOperator
 
 def gemv_projection(self: ClippedJacobian, w: torch.Tensor) -> torch.Tensor:
     """The former form for every k: one batched GEMV for ⟨w_i, g_i⟩ and one for the update."""
-    per = self.per if self.rows is None else self.per[self.rows]
+    per = self.per.dense() if self.rows is None else self.per.dense()[self.rows]
     along = torch.bmm(w, per.unsqueeze(2)) * self.inverse_norm.square().view(-1, 1, 1)
     out = torch.baddbmm(w, along, per.unsqueeze(1), alpha=-1)
     return out.mul_(self.factor.view(-1, 1, 1))

@@ -48,7 +48,7 @@ def main() -> None:
 
         resolvent = carried(op, *chosen_resolvent(run, eps, "kernel")[:2])
         z = torch.randn(op.dtheta, generator=torch.Generator().manual_seed(seed))
-        gradient_rms = (op.per if op.rows is None else op.per[op.rows]).square().mean(0).sqrt()
+        gradient_rms = (op.per.dense() if op.rows is None else op.per.dense()[op.rows]).square().mean(0).sqrt()
         row("resolvent noise (the default aimed noise)", resolvent)
         row("isotropic", z)
         row("shaped per tensor by this batch's resolvent noise", by_tensor(z, resolvent, sizes))

@@ -185,10 +185,10 @@ def test_the_retention_clip_level_on_a_groupnorm_resnet_matches_a_brute_force_se
     explicitly clipped sum Σ_i g_i·min(1, C/‖g_i‖) — per-sample gradients by autograd, one sample at a time —
     has ⟨·, g⟩ ≥ retention·‖g‖²; what the guard sends minus the dense clipped upload at that C is exactly the
     reported noise. The inner products are taken in blocks of 997 parameters here (the guard's float64 blocks)."""
-    from flguard.guard import clipping
     from flguard.models import create
+    from flguard.risk import sample_gradients
 
-    monkeypatch.setattr(clipping, "RETENTION_COLUMNS", 997)
+    monkeypatch.setattr(sample_gradients, "ALONG_COLUMNS", 997)
     torch.manual_seed(0)
     model = create("resnet8_gn", image_size=6).double()
     x, y = torch.randn(8, 3, 6, 6, dtype=torch.float64), torch.arange(8) % 10

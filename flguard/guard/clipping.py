@@ -15,6 +15,7 @@ from flguard.guard.config import DEFAULT_CLIP_RETENTION
 from flguard.guard.failure import GuardFailure
 from flguard.guard.perturb import AUTO_MAX_MOVE, averaged_square
 from flguard.risk.operator import JacobianOperator
+from flguard.risk.sample_gradients import SampleGradients
 
 __all__ = ["AdaptiveClip", "CLIP_MAX_DAMAGE", "CLIP_MAX_MOVE", "WITHHOLD_LOSS_SHARE", "clip_level", "lower_quantile",
            "retained_clip_level"]
@@ -36,9 +37,9 @@ def clip_level(setting: float | str, op: JacobianOperator, quantile: float = 0.5
     attacker (it is part of "everything but sample i"), and each block is measured at that C."""
     if not isinstance(setting, str):
         return float(setting)
-    gradients = op.per_sample_gradients()
+    gradients = op.sample_gradient_set()  # the [B, dθ] matrix, or never formed (flguard.risk.sample_gradients)
     share = quantile if setting == "quantile" else 0.5
-    norms = gradients.norm(dim=1)
+    norms = gradients.norms()
     level = lower_quantile(norms, share)
     if not level > 0:
         raise GuardFailure(f"clip_per_sample={setting!r}: the batch's {share:g} quantile of per-sample gradient "
@@ -52,29 +53,24 @@ def lower_quantile(norms: torch.Tensor, share: float) -> float:
     return float(torch.quantile(norms.double(), share, interpolation="lower"))
 
 
-#: Parameters per float64 block in ``retained_clip_level`` (B × this × 8 bytes: 64 MB at B = 32).
-RETENTION_COLUMNS = 2 ** 18
-
-
-def retained_clip_level(gradients: torch.Tensor, lowest: float, retention: float,
+def retained_clip_level(gradients: torch.Tensor | SampleGradients, lowest: float, retention: float,
                         norms: torch.Tensor | None = None) -> float:
     """The smallest per-sample norm C ≥ ``lowest`` with ⟨Σ_i clip_C(g_i), g⟩ ≥ ``retention``·‖g‖², g = Σ_i g_i
-    (``gradients`` [B, dθ], unscaled): clipping may shorten the step along the batch gradient to that share,
-    no further. Why: on a trained model the few samples it still gets wrong carry most of the gradient, and
-    the median clips them hardest (measured on the trained quickstart CNN: the median keeps 0.5–1.6% of the step
-    along g, and a round clipped so barely learns; on the ResNet-20-GN 39%). A larger C needs larger noise,
-    which training from scratch does not survive: ``"auto"`` (``AdaptiveClip``) bounds that; "retention" alone
-    does not (docs/results.md, "A clip level that keeps the step"). ⟨clip_C(g_i), g⟩ = min(1, C/‖g_i‖)·a_i
-    with a_i = ⟨g_i, g⟩, one pass over the gradients; C = max ‖g_i‖ clips nothing and keeps all of g, so a
-    C always qualifies. A zero batch gradient (‖g‖ = 0) keeps ``lowest``. ``norms``: the ‖g_i‖ when the caller has
-    them (``clip_level``: those it took the median of), else taken here."""
+    (``gradients`` [B, dθ], unscaled, or as ``flguard.risk.sample_gradients`` reads them): clipping may shorten the
+    step along the batch gradient to that share, no further. Why: on a trained model the few samples it still gets
+    wrong carry most of the gradient, and the median clips them hardest (measured on the trained quickstart CNN: the
+    median keeps 0.5–1.6% of the step along g, and a round clipped so barely learns; on the ResNet-20-GN 39%). A
+    larger C needs larger noise, which training from scratch does not survive: ``"auto"`` (``AdaptiveClip``) bounds
+    that; "retention" alone does not (docs/results.md, "A clip level that keeps the step"). ⟨clip_C(g_i), g⟩ =
+    min(1, C/‖g_i‖)·a_i with a_i = ⟨g_i, g⟩, one pass over the gradients (``SampleGradients.along_sum``); C = max
+    ‖g_i‖ clips nothing and keeps all of g, so a C always qualifies. A zero batch gradient (‖g‖ = 0) keeps
+    ``lowest``. ``norms``: the ‖g_i‖ when the caller has them (``clip_level``: those it took the median of), else
+    taken here."""
+    if isinstance(gradients, torch.Tensor):
+        gradients = SampleGradients(gradients)
     # as lower_quantile took them, so ``lowest`` is among them
-    norms = (gradients.norm(dim=1) if norms is None else norms).double()
-    # a_i = ⟨g_i, g⟩, Σ_i a_i = ‖g‖²
-    along = torch.zeros(len(norms), dtype=torch.float64, device=gradients.device)
-    for block in gradients.split(RETENTION_COLUMNS, dim=1):  # in float64 without a float64 copy of [B, dθ]
-        block = block.double()
-        along += block @ block.sum(dim=0)
+    norms = (gradients.norms() if norms is None else norms).double()
+    along = gradients.along_sum()  # a_i = ⟨g_i, g⟩, Σ_i a_i = ‖g‖²
     total = float(along.sum())
     if not total > 0:
         return lowest

@@ -61,7 +61,7 @@ def negligible_samples(op: JacobianOperator | ClippedJacobian) -> torch.Tensor:
         norms = op.sample_norms * op.factor
         reference = torch.as_tensor(op.clip, dtype=norms.dtype, device=norms.device)
     else:
-        norms = op.per_sample_gradients().norm(dim=1)
+        norms = op.sample_gradient_set().norms()
         reference = norms.max()
     return norms <= NEGLIGIBLE_SHARE * reference
 
@@ -84,14 +84,14 @@ def kept_gradient(op: JacobianOperator | ClippedJacobian, flat: torch.Tensor, ke
     if base.coupled:
         raise ValueError("samples can be left out only on the per-sample path (no train-mode BatchNorm, a loss "
                          "that splits per sample)")
-    per = base.per_sample_gradients()
-    # each sample's weight in the upload (its clipping factor, or 1): weighted sums as matrix products,
-    # never a scaled [B, dθ] copy (1.4 GB on a ResNet-18 at B = 32)
-    weight = op.factor.to(per) if isinstance(op, ClippedJacobian) else torch.ones(per.shape[0], dtype=per.dtype,
-                                                                                   device=per.device)
-    whole = base.scale * (weight @ per)
-    summands = base.scale * float((per.norm(dim=1) * weight).sum())  # rounding is relative to the summands (see engine._clipped)
+    per = base.sample_gradient_set()  # the [B, dθ] matrix, or never formed (flguard.risk.sample_gradients)
+    norms = per.norms()
+    # each sample's weight in the upload (its clipping factor, or 1): weighted sums, never a scaled [B, dθ] copy (1.4 GB
+    # on a ResNet-18 at B = 32)
+    weight = op.factor.to(norms) if isinstance(op, ClippedJacobian) else torch.ones_like(norms)
+    whole = base.scale * per.weighted(weight)
+    summands = base.scale * float((norms * weight).sum())  # rounding is relative to the summands (see engine._clipped)
     if float((whole.to(flat) - flat).norm()) > 1e-3 * (float(flat.norm()) + summands) + 1e-12:
         raise ValueError("the gradient given is not the batch loss's gradient at (model, x, y): samples cannot "
                          "be left out of it")
-    return (base.scale * ((weight * keep.to(weight)) @ per)).to(flat)
+    return (base.scale * per.weighted(weight * keep.to(weight))).to(flat)

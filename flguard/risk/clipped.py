@@ -45,10 +45,12 @@ class ClippedJacobian:
                              "(flguard.risk.loss_split) — a loss pooled over the batch (a Dice loss summing every "
                              "sample's pixels together) couples them: compute it per sample, then average")
         self.op, self.clip = op, float(clip)
-        per = op.per_sample_gradients()
-        norms = per.norm(dim=1)
+        # the per-sample gradients as norms, dot products and weighted sums: the [B, dθ] matrix, or never formed where
+        # the operator's graphs are kept in its room (flguard.risk.sample_gradients)
+        per = op.sample_gradient_set()
+        norms = per.norms()
         clipped = norms > self.clip
-        tiny = torch.finfo(per.dtype).tiny
+        tiny = torch.finfo(norms.dtype).tiny
         self.factor = torch.where(clipped, self.clip / norms.clamp_min(tiny), torch.ones_like(norms))
         # ĝ_i = inverse_norm_i · g_i, zero for unclipped samples (no projection): the per-sample gradients
         # the operator keeps anyway serve as the directions, no second [B, dθ] copy of unit vectors
@@ -56,8 +58,8 @@ class ClippedJacobian:
         self.per = per  # shared with the operator (and with every restricted copy: rows index into it)
         self.rows: torch.Tensor | None = None  # which rows of ``per`` are this operator's samples (None: all)
         self.sample_norms = norms
-        self.gradient = op.scale * (self.factor @ per)  # Σ_i s_i g_i without a [B, dθ] temporary
-        self.unclipped_gradient = op.scale * per.sum(0)
+        self.gradient = op.scale * per.weighted(self.factor)  # Σ_i s_i g_i without a [B, dθ] temporary
+        self.unclipped_gradient = op.scale * per.total()
         # J_i g_i of this operator's samples ([B, dx], ``_gradient_images``): taken at the first product that needs
         # them, on this operator or sliced from a copy it was restricted from that took them
         self._images: dict = {"values": None, "parent": None, "index": None}
@@ -68,7 +70,7 @@ class ClippedJacobian:
     def _project(self, w: torch.Tensor) -> torch.Tensor:
         """s_i(I − ĝ_iĝ_iᵀ)w_i for w [B, k, dθ]. One fused w − (wĝ)ĝᵀ and an in-place scale: these are memory-bound
         passes over B·k·dθ floats, a fifth of the clipped guard's time when written as separate temporaries."""
-        per = self.per if self.rows is None else self.per[self.rows]
+        per = self._dense()
         one = w.shape[1] == 1  # one vector per sample: DOT_PROJECTION_UP_TO
         dot = (torch.linalg.vecdot(w, per.unsqueeze(1)).unsqueeze(2) if one and w.numel() <= DOT_PROJECTION_UP_TO
                else torch.bmm(w, per.unsqueeze(2)))
@@ -80,7 +82,7 @@ class ClippedJacobian:
     def _projection(self) -> tuple:
         """(before, extra) for the direct path's J product: sample i's gradient read from the shared [B, dθ] by its
         row inside the vmapped call (a restricted operator copies no rows of it)."""
-        per = self.per
+        per = self.per.dense()
         rows = torch.arange(self.batch_size, device=per.device) if self.rows is None else self.rows
 
         def before(w: torch.Tensor, row: torch.Tensor, inverse_norm_sq: torch.Tensor,
@@ -92,8 +94,8 @@ class ClippedJacobian:
         if self.op.direct and v.shape[1] == 1 and v.stride(0) == 0 and self.op.ghost_products:
             shared = self.op.shared_j(v[0, 0])  # one v for every sample (the noise): J_iv in one batched pass
             if shared is not None:  # s_iJ_iP_iv = s_i(J_iv − ‖g_i‖⁻²⟨g_i, v⟩J_ig_i)
-                per = self.per if self.rows is None else self.per[self.rows]
-                along = self.inverse_norm.square() * (per @ v[0, 0])
+                dots = self.per.dots(v[0, 0])
+                along = self.inverse_norm.square() * (dots if self.rows is None else dots[self.rows])
                 return (self.factor.unsqueeze(1) * (shared - along.unsqueeze(1) * self._gradient_images())).unsqueeze(1)
         if self.op.direct:  # projected per sample inside the product: no [B, k, dθ] copy of v
             return self.op.direct_j(v, *self._projection())
@@ -112,9 +114,8 @@ class ClippedJacobian:
         images = self._images
         if images["values"] is None:
             images["values"] = _taken_above(images)
-            if images["values"] is None:
-                per = self.per if self.rows is None else self.per[self.rows]
-                images["values"] = self.op.gradient_images(per)
+            if images["values"] is None:  # (the gradients are read only where the operator has no graphs)
+                images["values"] = self.op.gradient_images(None if self.op.ghost_graphs else self._dense())
         return images["values"]
 
     def jt_sum(self, u: torch.Tensor) -> torch.Tensor:
@@ -122,10 +123,22 @@ class ClippedJacobian:
         product of the s_iu_i, less the clipped samples' components along their gradients,
         s_i‖g_i‖⁻²⟨J_ig_i, u_i⟩ g_i (``_gradient_images``). One application, and the images' one if no product took
         them before."""
-        per = self.per if self.rows is None else self.per[self.rows]
         along = self._gradient_images()  # J_i g_i [B, dx]
         weights = self.factor * self.inverse_norm.square() * (along * u).sum(1)  # 0 for an unclipped sample
-        return self.op.jt_sum(self.factor.unsqueeze(1) * u) - weights @ per
+        return self.op.jt_sum(self.factor.unsqueeze(1) * u) - self.per.weighted(self._whole_batch(weights))
+
+    def _dense(self) -> torch.Tensor:
+        """This operator's rows of the [B, dθ] per-sample gradients (formed here if they were not)."""
+        per = self.per.dense()
+        return per if self.rows is None else per[self.rows]
+
+    def _whole_batch(self, weights: torch.Tensor) -> torch.Tensor:
+        """Weights of this operator's samples [b] as the whole batch's [B] (zero on the other rows)."""
+        if self.rows is None:
+            return weights
+        out = weights.new_zeros(self.per.norms().shape[0])
+        out[self.rows] = weights
+        return out
 
     def kmv(self, u: torch.Tensor) -> torch.Tensor:
         """J̄_iJ̄_iᵀu_i = s_i²J_i(I − ĝ_iĝ_iᵀ)J_iᵀu_i = s_i²(K_iu_i − a_i⟨a_i, u_i⟩) with a_i = J_iĝ_i: the clipping's

@@ -22,6 +22,7 @@ from flguard.risk.ghost_forward import Unsupported, ghost_support
 from flguard.risk.ghost_products import GhostKmv
 from flguard.risk.precision import on_exact_float32
 from flguard.risk.sample_autograd import flatten_into
+from flguard.risk.sample_gradients import GhostSampleGradients, SampleGradients
 
 
 #: Where a chunk is one sample, multiply one sample at a time with plain autograd (``sample_autograd``) rather than
@@ -32,6 +33,12 @@ ONE_AT_A_TIME = True
 #: each convolution's per-sample weight gradient never formed (``flguard.risk.ghost_products``), where the model's
 #: layers allow it; False: the loop, as before.
 GHOST_KMV = True
+#: Where a batch too large for the cached pullbacks takes the ghost products, keep their graphs for the step also where
+#: they fit only in the room of the [B, dθ] per-sample gradients, which the guard then never forms: it reads them
+#: through ``flguard.risk.sample_gradients.GhostSampleGradients`` (``sample_gradient_set``). Measured on a trained
+#: ResNet-18-GN at B = 32, one CPU thread (docs/results.md, "Per-sample gradients never formed"). False: the graphs
+#: rebuilt in chunks at each product there, the matrix formed, as before.
+UNFORMED_GRADIENTS = True
 
 
 class DirectProducts:
@@ -145,6 +152,11 @@ class DirectProducts:
         return self._ghost_support is None
 
     @property
+    def ghost_graphs(self) -> bool:
+        """Whether the batched products run on the ghost graphs (built here if not yet)."""
+        return self._ghost_kmv() is not None
+
+    @property
     def ghost_overhead_rows(self) -> float | None:
         """The batched K product's fixed cost in rows' worth (``GhostKmv.overhead_rows``): what the shrinking products
         weigh a rebuild against; None where the products do not run on the ghost graphs."""
@@ -161,6 +173,8 @@ class DirectProducts:
         products on distinct vectors (LAVP's, an attack's) then run one sample at a time: the guard's step takes
         none."""
         before = (self.direct, self.sample_chunk)
+        if before[0] and UNFORMED_GRADIENTS:  # a batch the cached pullbacks would not hold: graphs in the room of
+            self._ghost_unformed_bytes = self.batch_size * self.dtheta * self.x.element_size()  # [B, dθ] (module doc)
         self.direct, self.sample_chunk = True, 1
         try:
             ghost = self._ghost_kmv()
@@ -180,12 +194,24 @@ class DirectProducts:
             try:
                 # a restricted copy inherits the measure (and the check) of its operator's first GhostKmv
                 self._ghost = GhostKmv(self.model, self.params, self.buffers, self.loss_fn, self.x, self.y,
-                                       getattr(self, "_ghost_sample_bytes", None), self.draws)
+                                       getattr(self, "_ghost_sample_bytes", None), self.draws,
+                                       getattr(self, "_ghost_unformed_bytes", 0))
             except Unsupported as reason:
                 self.ghost_refused = str(reason)
                 return None
             self._ghost_sample_bytes = self._ghost.sample_bytes
         return self._ghost
+
+    def sample_gradient_set(self) -> SampleGradients:
+        """The unscaled per-sample gradients as the guard reads them — norms, dot products with one vector, weighted
+        sums (``flguard.risk.sample_gradients``) — taken once: never formed where the ghost products' graphs are kept
+        in their room (``GhostKmv.unformed_gradients``), else the [B, dθ] matrix of ``per_sample_gradients``."""
+        if getattr(self, "_gradient_set", None) is None:
+            ghost = self._ghost_kmv() if self.direct else None
+            self._gradient_set = (GhostSampleGradients(ghost, self.per_sample_gradients)
+                                  if ghost is not None and ghost.unformed_gradients
+                                  else SampleGradients(self.per_sample_gradients()))
+        return self._gradient_set
 
     @on_exact_float32
     def gradient_images(self, gradients: torch.Tensor | None = None) -> torch.Tensor:

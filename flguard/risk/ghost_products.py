@@ -104,7 +104,7 @@ class GhostKmv:
 
     def __init__(self, model: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
                  loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, sample_bytes: int | None = None,
-                 draws: tuple[torch.Tensor, ...] = ()) -> None:
+                 draws: tuple[torch.Tensor, ...] = (), unformed_bytes: int = 0) -> None:
         reason = ghost_support(model)
         if reason is not None:
             raise Unsupported(reason)
@@ -122,10 +122,14 @@ class GhostKmv:
         retained_bytes, chunk_bytes = graph_bytes(x.device)
         if sample_bytes is None:
             earlier = _MEASURED.get(model, {}).get(key)
-            sample_bytes = earlier if earlier is not None and batch * earlier <= retained_bytes else None
+            sample_bytes = earlier if earlier is not None and batch * earlier <= retained_bytes + unformed_bytes else None
         self.sample_bytes = sample_bytes if sample_bytes is not None else max(self._measure(), 1)
         _MEASURED.setdefault(model, {})[key] = self.sample_bytes
         self.retained = batch * self.sample_bytes <= retained_bytes
+        #: kept only in the room of the per-sample gradients, which are then never formed (``unformed_bytes``: the
+        #: [B, dθ] matrix's size, where the operator's caller reads them through ``flguard.risk.sample_gradients``)
+        self.unformed_gradients = not self.retained and batch * self.sample_bytes <= retained_bytes + unformed_bytes
+        self.retained = self.retained or self.unformed_gradients
         most = batch if self.retained else max(1, chunk_bytes // self.sample_bytes)
         self.chunk = -(-batch // -(-batch // most))  # the fewest chunks of at most ``most`` samples, evened out
         self.graphs = [self._build(start) for start in range(0, batch, self.chunk)] if self.retained else None
@@ -228,12 +232,17 @@ class GhostKmv:
                 if g is not None:  # (a parameter the loss does not reach keeps its zeros)
                     rows[:, columns[name]] = g.detach().reshape(rows.shape[0], -1)
             for layer in graph.layers:
-                if layer.first is not None:
-                    delta, x = (t.detach() for t in layer.first)
-                    weight = (layer.sample_weights(delta, x) if layer.folds_batch() else
-                              layer.per_sample_weights(layer.outputs(delta), layer.patches(x)))
-                    rows[:, columns[layer.name]] += weight.reshape(rows.shape[0], -1)  # summed over its uses
+                if layer.first is not None:  # summed over its uses
+                    rows[:, columns[layer.name]] += self.sample_weight(layer).reshape(rows.shape[0], -1)
         return out
+
+    @staticmethod
+    def sample_weight(layer: Convolution) -> torch.Tensor:
+        """One use's per-sample weight gradients wgrad(δ_i, x_i) [rows, …] from pass 1's (δ, x): by grouped
+        convolutions or by patches (``Convolution.folds_batch``)."""
+        delta, x = (t.detach() for t in layer.first)
+        return (layer.sample_weights(delta, x) if layer.folds_batch() else
+                layer.per_sample_weights(layer.outputs(delta), layer.patches(x)))
 
     def transposed_sum(self, u: torch.Tensor) -> torch.Tensor:
         """Σ_iJ̃_iᵀu_i [dθ] (flat, in ``params`` order) for u [B, dx]: pass 2 alone, each per-sample leaf's gradient

@@ -441,6 +441,7 @@ class JacobianOperator(DirectProducts):
         sub.applications = 0
         sub._cached_pullback = sub._cached_transpose = None
         sub.__dict__.pop("_per_sample", None)
+        sub.__dict__.pop("_gradient_set", None)
         sub.__dict__.pop("_compiled_kmv", None)  # a compiled product is bound to its own operator
         sub.__dict__.pop("_ghost", None)  # the batched K product's graphs are the batch's own
         sub.batch_loss = None  # the whole batch's

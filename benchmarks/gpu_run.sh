@@ -27,14 +27,14 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 part cuda_tests "${LIMIT_TESTS:-90}" - python3 -m pytest -q -p no:cacheprovider -s tests/test_guard_model.py tests/test_risk_precision.py \
     tests/test_risk_assess.py tests/test_risk_shrinking.py tests/test_guard_layers.py \
     -k "cuda or chunk or cached or dense_float64 or float32"
-part cuda_ghost_tests "${LIMIT_GHOST_TESTS:-60}" - python3 -m pytest -q -p no:cacheprovider -s tests/test_ghost_products.py \
-    -k cuda
+part cuda_ghost_tests "${LIMIT_GHOST_TESTS:-60}" - python3 -m pytest -q -p no:cacheprovider -s \
+    tests/test_ghost_products.py -k cuda
 cd benchmarks
 # guard_resnet18_ghost and guard_small_ghost: the guard's operator on the batched ghost products (GUARD_GHOST_ON_CUDA,
 # off by default until these figures say which is faster on a card) beside the defaults' cached pullbacks.
 part guard_resnet18_ghost "${LIMIT_R18:-240}" results/bench_guard_models.csv \
-    python3 bench_guard_models.py --device cuda --models resnet18_gn --batch "${R18_BATCH:-8,32}" --steps "${R18_STEPS:-6}" \
-    --products ghost
+    python3 bench_guard_models.py --device cuda --models resnet18_gn --batch "${R18_BATCH:-8,32}" \
+    --steps "${R18_STEPS:-6}" --products ghost
 part guard_small_ghost "${LIMIT_SMALL:-100}" results/bench_guard_models.csv \
     python3 bench_guard_models.py --device cuda --models cnn,resnet20_gn --batch 32 --steps 10 --products ghost
 part guard_resnet18 "${LIMIT_R18:-240}" results/bench_guard_models.csv \

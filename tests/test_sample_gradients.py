@@ -83,12 +83,12 @@ def test_the_operator_never_forms_the_gradients_where_the_graphs_fit_only_in_the
     assert type(before.sample_gradient_set()) is SampleGradients
 
 
-@pytest.mark.parametrize("defense", ["resolvent", "gaussian"])
+@pytest.mark.parametrize("defense", ["resolvent", "gaussian", "eigen", "rowspace"])
 def test_the_guard_certifies_without_forming_the_per_sample_gradients(defense, monkeypatch):
     """make_guarded with median clipping, exclusion and the 15 dB pixel floor on a channels-last 3-channel GroupNorm
-    ResNet whose graphs fit only in the room of its per-sample gradients: the step never forms them (the graphs'
-    ``sample_gradients`` fails the test), and the noise sent gives every kept sample a dense-recomputed float64 I²F RMSE
-    ≥ τ, with the report's values the dense ones."""
+    ResNet whose graphs fit only in the room of its per-sample gradients: with every kind of noise the step never forms
+    them (the graphs' ``sample_gradients`` fails the test), and the noise sent gives every kept sample a
+    dense-recomputed float64 I²F RMSE ≥ τ, with the report's values the dense ones."""
     torch.manual_seed(0)
     model = create("resnet8_gn", image_size=6).double()
     x = torch.rand(4, 3, 6, 6, dtype=torch.float64)
@@ -108,3 +108,20 @@ def test_the_guard_certifies_without_forming_the_per_sample_gradients(defense, m
     assert report.met, report.reason
     monkeypatch.undo()  # the reference's own operator forms them
     assert_certified_on_dense_float64(model, x, y, config, report)
+
+
+@pytest.mark.parametrize("retention", [0.3, 0.9])
+def test_the_retention_clip_level_off_the_graphs_equals_the_matrixs(retention, monkeypatch):
+    """``clip_per_sample="retention"`` (the default "auto"'s first level) with the gradients never formed: the same C
+    as from plain autograd's [B, dθ] matrix on a GroupNorm ResNet at B = 8."""
+    from flguard.guard.clipping import clip_level, retained_clip_level
+
+    torch.manual_seed(0)
+    model = create("resnet8_gn", image_size=6).double()
+    x, y = torch.randn(8, 3, 6, 6, dtype=torch.float64), torch.arange(8) % 10
+    per = per_sample_gradients(model, x, y)
+    want = retained_clip_level(per, float(per.norm(dim=1).sort().values[3]), retention)
+    _unformed_sizes(monkeypatch, model, x, y)
+    op = JacobianOperator(model, x, y, products="ghost")
+    assert isinstance(op.sample_gradient_set(), GhostSampleGradients)
+    assert clip_level("retention", op, 0.5, retention) == pytest.approx(want, rel=1e-12)

@@ -122,7 +122,8 @@ class GhostKmv:
         retained_bytes, chunk_bytes = graph_bytes(x.device)
         if sample_bytes is None:
             earlier = _MEASURED.get(model, {}).get(key)
-            sample_bytes = earlier if earlier is not None and batch * earlier <= retained_bytes + unformed_bytes else None
+            fits = earlier is not None and batch * earlier <= retained_bytes + unformed_bytes
+            sample_bytes = earlier if fits else None
         self.sample_bytes = sample_bytes if sample_bytes is not None else max(self._measure(), 1)
         _MEASURED.setdefault(model, {})[key] = self.sample_bytes
         self.retained = batch * self.sample_bytes <= retained_bytes

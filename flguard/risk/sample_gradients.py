@@ -81,8 +81,8 @@ class GhostSampleGradients(SampleGradients):
 
     @on_exact_float32
     def _take_norms(self) -> torch.Tensor:
-        """Σ over the leaves of ‖∇ℓ_i‖² and over the shared weights of ‖Σ_uses wgrad(δ_i, x_i)‖², one weight's per-sample
-        gradient formed at a time."""
+        """Σ over the leaves of ‖∇ℓ_i‖² and over the shared weights of ‖Σ_uses wgrad(δ_i, x_i)‖², one weight's
+        per-sample gradient formed at a time."""
         out = self.ghost.x.new_zeros(self.ghost.x.shape[0])
         for start, graph in self.ghost._graphs():
             rows = graph.x.shape[0]

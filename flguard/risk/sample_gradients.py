@@ -14,11 +14,14 @@ is one batched convolution with the shared vector, a weighted sum one batched we
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from flguard.risk.precision import on_exact_float32
+
+if TYPE_CHECKING:
+    from flguard.risk.ghost_products import GhostKmv
 
 #: ``SampleGradients.along_sum``: parameters per float64 block (B × this × 8 bytes: 64 MB at B = 32).
 ALONG_COLUMNS = 2 ** 18
@@ -71,7 +74,7 @@ class GhostSampleGradients(SampleGradients):
     pass 1 left each per-sample leaf's gradient and each shared weight's (δ, x) per use. ``form``: the [B, dθ] matrix
     where a caller needs it after all (``dense``: the operator's ``per_sample_gradients``)."""
 
-    def __init__(self, ghost, form: Callable[[], torch.Tensor]) -> None:
+    def __init__(self, ghost: GhostKmv, form: Callable[[], torch.Tensor]) -> None:
         self.ghost, self.form = ghost, form
         self._norms = None
 

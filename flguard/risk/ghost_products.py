@@ -126,11 +126,10 @@ class GhostKmv:
             sample_bytes = earlier if fits else None
         self.sample_bytes = sample_bytes if sample_bytes is not None else max(self._measure(), 1)
         _MEASURED.setdefault(model, {})[key] = self.sample_bytes
-        self.retained = batch * self.sample_bytes <= retained_bytes
+        self.retained = batch * self.sample_bytes <= retained_bytes + unformed_bytes
         #: kept only in the room of the per-sample gradients, which are then never formed (``unformed_bytes``: the
         #: [B, dθ] matrix's size, where the operator's caller reads them through ``flguard.risk.sample_gradients``)
-        self.unformed_gradients = not self.retained and batch * self.sample_bytes <= retained_bytes + unformed_bytes
-        self.retained = self.retained or self.unformed_gradients
+        self.unformed_gradients = self.retained and batch * self.sample_bytes > retained_bytes
         most = batch if self.retained else max(1, chunk_bytes // self.sample_bytes)
         self.chunk = -(-batch // -(-batch // most))  # the fewest chunks of at most ``most`` samples, evened out
         self.graphs = [self._build(start) for start in range(0, batch, self.chunk)] if self.retained else None

@@ -14,8 +14,9 @@ from torch import nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flguard.risk import direct, ghost_convolutions, ghost_products
+from flguard.risk import direct, ghost_convolutions, ghost_forward, ghost_products
 from flguard.risk.clipped import ClippedJacobian
+from flguard.risk.ghost_convolutions import Convolution
 from flguard.risk.ghost_forward import Unsupported, ghost_support
 from flguard.risk.ghost_products import GhostKmv
 from flguard.risk.operator import JacobianOperator
@@ -268,13 +269,16 @@ SHAPES = {"ResNet": lambda: _model(), "ConvNeXt": lambda: _convnext_model(), "Vi
 
 #: The shapes with convolutions, whose formed weight can also run with the batch folded into a convolution's groups
 CONVOLUTIONAL = ("ResNet", "ConvNeXt", "a convolution used twice", "1-D convolutions", "a projection of a constant")
-ROUTES = {"Gram matrices": (True, False), "formed weight on patches": (False, False),
-          "formed weight by grouped convolutions": (False, True)}
+#: (Gram matrices, the batch folded into groups, convolutions of fewer channels than this taken on their patches)
+ROUTES = {"Gram matrices": (True, False, 16), "formed weight on patches": (False, False, 16),
+          "Gram matrices, no layer on its patches": (True, False, 0),
+          "formed weight on patches, no layer on its patches": (False, False, 0),
+          "formed weight by grouped convolutions": (False, True, 0)}
 
 
 @pytest.mark.parametrize("route,kept,shape", [
     (route, kept, shape) for route in ROUTES for kept in (True, False) for shape in SHAPES
-    if not ROUTES[route][1] or (kept and shape in CONVOLUTIONAL)],
+    if (ROUTES[route][2] or shape in CONVOLUTIONAL) and (not ROUTES[route][1] or (kept and shape in CONVOLUTIONAL))],
     ids=lambda value: {True: "graphs kept", False: "rebuilt in chunks of 2"}.get(value, value))
 def test_ghost_k_product_matches_the_dense_jacobian(route, kept, shape, monkeypatch):
     """The K product, the clipping's images, J of a shared vector, the per-sample gradients and the summed Jᵀ against
@@ -285,10 +289,12 @@ def test_ghost_k_product_matches_the_dense_jacobian(route, kept, shape, monkeypa
     batch does not reach, and models that use one weight several times — a convolution applied twice, recurrent layers
     and a cell stepped by hand (W_hh at each of 6 steps): the cross terms between a weight's uses are in every
     product. The formed weight both on patches and as grouped convolutions of the batch (every layer, 1×1 and few
-    channels included, where the rule takes patches)."""
-    gram, folded = ROUTES[route]
+    channels included, where the rule takes patches); convolutions of few channels taken on their input's patches
+    (``Patched``, the default) and as convolutions."""
+    gram, folded, patched = ROUTES[route]
     monkeypatch.setattr(ghost_convolutions, "ghost_cheaper", lambda layer, positions=None: gram)
     monkeypatch.setattr(ghost_convolutions.Convolution, "folds_batch", lambda layer: folded)
+    monkeypatch.setattr(ghost_forward, "PATCHED_BELOW_CHANNELS", patched)
     if not kept:
         monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)
     model = SHAPES[shape]()
@@ -485,13 +491,28 @@ def test_patches_equal_unfold_and_its_gradient(channels):
                                rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("channels", [1, 3, 4], ids=["fold, 1 channel", "fold, 3 channels", "transposed convolution"])
-def test_the_input_gradient_of_a_convolution_equals_autograds(channels):
-    """``Convolution.transposed`` (by Wᵀg and ``F.fold`` into at most FOLD_INPUT_CHANNELS channels, else a transposed
-    convolution) against autograd's input gradient of the convolution, with stride, padding and dilation uneven and a
-    last row and column the stride never reaches."""
-    from flguard.risk.ghost_convolutions import FOLD_INPUT_CHANNELS, Convolution
+@pytest.mark.parametrize("channels", [3, 16], ids=["col2im", "slices"])
+def test_patches_and_their_fold_are_differentiable_twice(channels):
+    """``unfold`` (``_Patches``) and its backward ``_Fold`` differentiated again — pass 1 records the fold of a
+    convolution taken on its patches — against finite differences, and the fold against ``F.fold``, with stride,
+    padding and dilation uneven."""
+    from flguard.risk.ghost_convolutions import _Fold, unfold
 
+    torch.manual_seed(5)
+    x = torch.randn(2, channels, 7, 6, dtype=torch.float64, requires_grad=True)
+    settings = ((3, 2), (2, 1), (1, 2), (2, 1))  # kernel, stride, padding, dilation
+    assert torch.autograd.gradgradcheck(lambda t: unfold(t, *settings), (x,))
+    columns = unfold(x, *settings).detach().requires_grad_(True)
+    torch.testing.assert_close(_Fold.apply(columns, x.shape, settings),
+                               F.fold(columns, (7, 6), settings[0], settings[3], settings[2], settings[1]),
+                               rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradgradcheck(lambda t: _Fold.apply(t, x.shape, settings), (columns,))
+
+
+@pytest.mark.parametrize("channels", [1, 4])
+def test_the_input_gradient_of_a_convolution_equals_autograds(channels):
+    """``Convolution.transposed`` (a transposed convolution) against autograd's input gradient of the convolution,
+    with stride, padding and dilation uneven and a last row and column the stride never reaches."""
     torch.manual_seed(4)
     x = torch.randn(2, channels, 10, 9, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(5, channels, 3, 2, dtype=torch.float64)
@@ -500,7 +521,35 @@ def test_the_input_gradient_of_a_convolution_equals_autograds(channels):
     y = layer.convolve(x)
     g = torch.randn_like(y)
     torch.testing.assert_close(layer.transposed(g, x.shape), torch.autograd.grad(y, x, g)[0], rtol=1e-12, atol=1e-12)
-    assert (channels <= FOLD_INPUT_CHANNELS) == (channels < 4)
+
+
+@pytest.mark.parametrize("channels", [1, 3, 6])
+def test_a_convolution_on_its_patches_equals_autograds(channels):
+    """``Patched`` on a channels-last input's patches: its output, its input gradient folded back, its summed and
+    per-sample weight gradients against ``F.conv2d`` and autograd, with stride, padding and dilation uneven."""
+    from flguard.risk.ghost_convolutions import Patched, output_positions, unfold
+
+    torch.manual_seed(6)
+    x = torch.randn(3, channels, 10, 9, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    x.requires_grad_(True)
+    weight = torch.randn(5, channels, 3, 2, dtype=torch.float64, requires_grad=True)
+    settings = ((2, 3), (1, 2), (2, 1))  # stride, padding, dilation
+    layer = Patched(weight.detach().reshape(5, -1), "conv", settings, torch.zeros(()))
+    patches = unfold(x, (3, 2), *settings)
+    want = F.conv2d(x, weight, None, *settings)
+    got = layer.convolve(patches)
+    torch.testing.assert_close(got.reshape(*got.shape[:2], *output_positions(x, (3, 2), *settings)), want,
+                               rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(want)
+    input_grad, weight_grad = torch.autograd.grad(want, (x, weight), g)
+    folded = torch.autograd.grad(patches, x, layer.transposed(g.reshape(*got.shape), x.shape))[0]
+    torch.testing.assert_close(folded, input_grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.weight_gradient(g.reshape(*got.shape), patches.detach()),
+                               weight_grad.reshape(5, -1), rtol=1e-12, atol=1e-12)
+    each = torch.stack([torch.autograd.grad(F.conv2d(x[i:i + 1], weight, None, *settings), weight, g[i:i + 1])[0]
+                        for i in range(3)])
+    torch.testing.assert_close(layer.per_sample_weights(g.reshape(*got.shape), patches.detach()),
+                               each.reshape(3, 5, -1), rtol=1e-12, atol=1e-12)
 
 
 class _TwiceUsed(nn.Module):

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from flguard.risk.transposed_input_grads import input_gradient
 
@@ -40,14 +39,8 @@ class Convolution:
 
     def transposed(self, g: torch.Tensor, shape: torch.Size, weight: torch.Tensor | None = None) -> torch.Tensor:
         """The convolution's input gradient for output gradient ``g`` (input of ``shape``), a transposed convolution
-        with the rows and columns a strided convolution never reached as its output padding — on an input of at most
-        FOLD_INPUT_CHANNELS channels (an image model's first layer) as Wᵀg per position summed back by ``F.fold``."""
-        weight = self.weight if weight is None else weight
-        if weight.shape[1] > FOLD_INPUT_CHANNELS or self.groups != 1:
-            return input_gradient(g, weight, shape, *self.settings, self.groups)
-        stride, padding, dilation = self.settings
-        columns = torch.matmul(weight.reshape(weight.shape[0], -1).t(), g.reshape(g.shape[0], g.shape[1], -1))
-        return F.fold(columns, tuple(shape[2:]), tuple(weight.shape[2:]), dilation, padding, stride)
+        with the rows and columns a strided convolution never reached as its output padding."""
+        return input_gradient(g, self.weight if weight is None else weight, shape, *self.settings, self.groups)
 
     def weight_gradient(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """wgrad(a, b) summed over the batch: the gradient in the weight of ⟨a, conv(b, W)⟩ (contiguous operands:
@@ -58,8 +51,7 @@ class Convolution:
 
     def patches(self, x: torch.Tensor) -> torch.Tensor:
         """[B, I·k², P]: the input's patches in the weight's order (``F.unfold``'s result, ``_Patches``)."""
-        stride, padding, dilation = self.settings
-        return _Patches.apply(x, tuple(self.weight.shape[2:]), stride, padding, dilation)
+        return unfold(x, tuple(self.weight.shape[2:]), *self.settings)
 
     def input_patches(self) -> torch.Tensor:
         """patches(x) of pass 1's input x, with its graph: taken once and kept for the graph's later products where
@@ -145,12 +137,31 @@ class Dense(Convolution):
         return False
 
 
-#: ``Convolution.transposed`` on an input of at most this many channels: Wᵀg and ``F.fold``, not oneDNN's transposed
-#: convolution, slow into few channels: on one CPU thread the quickstart CNN's first layer (6 → 1 channel, 5×5, 24×24)
-#: 1.7 against 2.3 ms at B = 32, 0.44 against 0.66 at B = 8, 0.10 against 0.21 at B = 1; a ResNet's 3×3 stem (64 → 3
-#: channels, 32×32) at B = 8 1.6 against 2.9 ms; its second layer (16 → 6 channels) is slower this way (1.3 against
-#: 0.7).
-FOLD_INPUT_CHANNELS = 3
+@dataclass(eq=False)
+class Patched(Convolution):
+    """An image's first layer taken on its input's patches (``flguard.risk.ghost_forward``): x [B, I·k², P] (``unfold``
+    of the model's input) → W x [B, O, P], W the [O, I·k²] view of the weight (the same numbers). Pass 2's vector
+    reaches it as patches(u), unfolded once for its pair and its convolution — a matrix product, not oneDNN's
+    few-channel convolution — and pass 3's two input gradients, through the output and through the per-sample weight's
+    patches, meet on the patches and are folded back once."""
+
+    def convolve(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.matmul(self.weight if weight is None else weight, x)
+
+    def transposed(self, g: torch.Tensor, shape: torch.Size, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The patches' gradient Wᵀg for output gradient ``g`` [B, O, P]."""
+        return torch.matmul((self.weight if weight is None else weight).t(), g)
+
+    def weight_gradient(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Σ over the batch and positions of a ⊗ b: [O, I·k²]."""
+        return torch.bmm(a, b.transpose(1, 2)).sum(0)
+
+    def patches(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def folds_batch(self) -> bool:
+        return False
+
 
 #: The formed weight (``pair_dot``, the per-sample gradients) as convolutions with the batch folded into the groups —
 #: each sample's weight a grouped weight gradient, applied by one grouped convolution — on inputs of at least this many
@@ -166,7 +177,8 @@ GROUPED_FROM_CHANNELS = 16
 #: layers, 2.4 MB a sample at 64 channels and 32×32, are taken afresh, as the graphs kept are already large there).
 KEPT_PATCHES_BYTES = 2 ** 22
 
-#: ``_Patches``' backward adds k_h·k_w strided slices from this many input channels on; below, ``F.fold`` (col2im),
+#: ``_Fold`` (``_Patches``' backward) adds k_h·k_w strided slices from this many input channels on; below, ``F.fold``
+#: (col2im),
 #: faster on few channels: measured on one CPU thread, [8, 64, 32, 32] 3×3 4.3 against 23.6 ms, [8, 256, 8, 8] 3.3
 #: against 5.3 ms, [32, 1, 28, 28] and [32, 6, 12, 12] 5×5 (the quickstart CNN's) 1.2 / 1.6 against 1.1 / 1.5 ms.
 SLICES_FROM_CHANNELS = 16
@@ -174,9 +186,9 @@ SLICES_FROM_CHANNELS = 16
 
 class _Patches(torch.autograd.Function):
     """``F.unfold`` of a 4-D input as a strided view copied once (on one CPU thread 3–9× faster than its im2col), its
-    backward k_h·k_w strided slice additions where the input has ``SLICES_FROM_CHANNELS`` channels or more (up to 5×
-    faster than col2im), ``F.fold`` below. The ghost K product against ``F.unfold``'s (docs/results.md, "Ghost products
-    on small models"): 0.88× on the quickstart CNN at B = 32, 0.85× on ResNet-18-GN at B = 8."""
+    backward ``_Fold`` — differentiable again, so that pass 1 may record it (an image's first layer taken on its
+    patches, ``Patched``). The ghost K product against ``F.unfold``'s (docs/results.md, "Ghost products on small
+    models"): 0.88× on the quickstart CNN at B = 32, 0.85× on ResNet-18-GN at B = 8."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, kernel: tuple, stride: tuple, padding: tuple,
@@ -192,12 +204,22 @@ class _Patches(torch.autograd.Function):
         return view.reshape(batch, channels * kh * kw, rows * cols)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = ctx.settings
-        batch, channels, height, width = ctx.shape
+        return _Fold.apply(grad, ctx.shape, ctx.settings), None, None, None, None
+
+
+class _Fold(torch.autograd.Function):
+    """``_Patches``' adjoint: [B, C·k_h·k_w, P] summed back onto the input's [B, C, H, W] — k_h·k_w strided slice
+    additions where the input has ``SLICES_FROM_CHANNELS`` channels or more (up to 5× faster than col2im), ``F.fold``
+    below; its own backward ``_Patches``."""
+
+    @staticmethod
+    def forward(ctx: Any, grad: torch.Tensor, shape: torch.Size, settings: tuple) -> torch.Tensor:
+        ctx.settings = settings
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = settings
+        batch, channels, height, width = shape
         if channels < SLICES_FROM_CHANNELS:
-            return F.fold(grad, (height, width), (kh, kw), (dh, dw), (ph, pw), (sh, sw)), None, None, None, None
+            return F.fold(grad, (height, width), (kh, kw), (dh, dw), (ph, pw), (sh, sw))
         out = grad.new_zeros(batch, channels, height + 2 * ph, width + 2 * pw)
         rows, cols = _positions(out.shape, (kh, kw), (sh, sw), (dh, dw))
         grad = grad.reshape(batch, channels, kh, kw, rows, cols)
@@ -205,7 +227,24 @@ class _Patches(torch.autograd.Function):
             for j in range(kw):
                 top, left = i * dh, j * dw
                 out[:, :, top:top + sh * (rows - 1) + 1:sh, left:left + sw * (cols - 1) + 1:sw] += grad[:, :, i, j]
-        return out[:, :, ph:ph + height, pw:pw + width], None, None, None, None
+        return out[:, :, ph:ph + height, pw:pw + width]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _Patches.apply(grad, *ctx.settings), None, None
+
+
+def unfold(x: torch.Tensor, kernel: tuple, stride: tuple, padding: tuple, dilation: tuple) -> torch.Tensor:
+    """[B, C·k_h·k_w, P]: the patches of x [B, C, H, W] in a convolution's weight order (``F.unfold``'s result),
+    differentiable to any order (``_Patches``, ``_Fold``)."""
+    return _Patches.apply(x, tuple(kernel), tuple(stride), tuple(padding), tuple(dilation))
+
+
+def output_positions(x: torch.Tensor, kernel: tuple, stride: tuple, padding: tuple,
+                     dilation: tuple) -> tuple[int, int]:
+    """(rows, columns) of a convolution's output on x [B, C, H, W] (numeric padding)."""
+    padded = (*x.shape[:2], x.shape[2] + 2 * padding[0], x.shape[3] + 2 * padding[1])
+    return _positions(padded, kernel, stride, dilation)
 
 
 def _positions(shape: torch.Size, kernel: tuple, stride: tuple, dilation: tuple) -> tuple[int, int]:

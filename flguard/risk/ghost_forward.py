@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.modules.utils import _pair, _single
 from torch.overrides import TorchFunctionMode
 
-from flguard.risk.ghost_convolutions import Convolution, Dense, GhostConv2d
+from flguard.risk.ghost_convolutions import Convolution, Dense, GhostConv2d, Patched, output_positions, unfold
 
 
 #: The elementwise products and sums a per-sample parameter may enter beside a batched activation
@@ -29,6 +29,13 @@ _ELEMENTWISE = {torch.mul, torch.add, torch.sub, torch.Tensor.mul, torch.Tensor.
 #: attribute that is a tensor — ``.T``, ``.data`` — or a comparison's result is refused: ``PerSampleParameters``).
 _METADATA = {"__get__", "dim", "size", "numel", "stride", "is_contiguous", "is_floating_point", "is_complex",
              "element_size", "__len__", "__hash__", "__eq__"}
+
+
+#: A convolution without groups on fewer input channels than this is taken on its input's patches (``Patched``): there
+#: the product reads the patches anyway (oneDNN's grouped kernels are slower below 16 channels a group:
+#: ``flguard.risk.ghost_convolutions.GROUPED_FROM_CHANNELS``), so pass 2's vector is unfolded once for its pair and its
+#: convolution and pass 3's two input gradients are folded back once. 0: every convolution as PyTorch's.
+PATCHED_BELOW_CHANNELS = 16
 
 
 class Unsupported(Exception):
@@ -181,9 +188,23 @@ class PerSampleParameters(TorchFunctionMode):
                 padding: Any = 0, dilation: Any = 1, groups: int = 1) -> torch.Tensor:
         if not self._shared_convolution(weight, input, padding, 4):
             return F.conv2d(input, weight, None, stride, padding, dilation, groups) + self._bias(bias, 4)
-        layer = Convolution(weight, self.weights[id(weight)], (_pair(stride), _pair(padding), _pair(dilation)),
-                            self._token(input), collecting=self.collecting, groups=groups)
-        return self._ghost(layer, input, "a convolution") + self._bias(bias, 4)
+        settings = (_pair(stride), _pair(padding), _pair(dilation))
+        return self._convolution(input, weight, self.weights[id(weight)], settings, groups) + self._bias(bias, 4)
+
+    def _convolution(self, input: torch.Tensor, weight: torch.Tensor, name: str, settings: tuple, groups: int,
+                     source: torch.Tensor | None = None) -> torch.Tensor:
+        """A 2-D convolution [B, I, H, W] → [B, O, H', W'] with the layer's shared weight, through ``GhostConv2d``: on
+        the input's patches where it has fewer than ``PATCHED_BELOW_CHANNELS`` channels and no groups (``Patched``,
+        its weight the [O, I·k²] view of the [O, I, k, k] one, the same numbers), else as a ``Convolution``."""
+        token = self._token(input)
+        if groups != 1 or weight.shape[1] >= PATCHED_BELOW_CHANNELS:
+            layer = Convolution(weight, name, settings, token, collecting=self.collecting, groups=groups)
+            return self._ghost(layer, input, "a convolution", source)
+        kernel = tuple(weight.shape[2:])
+        layer = Patched(weight.reshape(weight.shape[0], -1), name, settings, token, collecting=self.collecting)
+        out = self._ghost(layer, unfold(input, kernel, *settings), "a convolution",
+                          input if source is None else source)  # [B, O, P]
+        return out.reshape(*out.shape[:2], *output_positions(input, kernel, *settings))
 
     def _conv1d(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: Any = 1,
                 padding: Any = 0, dilation: Any = 1, groups: int = 1) -> torch.Tensor:
@@ -192,9 +213,8 @@ class PerSampleParameters(TorchFunctionMode):
         if not self._shared_convolution(weight, input, padding, 3):
             return F.conv1d(input, weight, None, stride, padding, dilation, groups) + self._bias(bias, 3)
         settings = ((1, _single(stride)[0]), (0, _single(padding)[0]), (1, _single(dilation)[0]))
-        layer = Convolution(weight.unsqueeze(2), self.weights[id(weight)], settings, self._token(input),
-                            collecting=self.collecting, groups=groups)
-        out = self._ghost(layer, input.unsqueeze(2), "a convolution", source=input)
+        out = self._convolution(input.unsqueeze(2), weight.unsqueeze(2), self.weights[id(weight)], settings, groups,
+                                source=input)
         return out.squeeze(2) + self._bias(bias, 3)
 
     def _bias(self, bias: torch.Tensor | None, dims: int) -> torch.Tensor | float:

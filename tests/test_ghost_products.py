@@ -42,6 +42,30 @@ def test_pass_ones_bytes_are_measured_once_per_model_and_input_shape(monkeypatch
     assert len(measured) == 2
 
 
+def test_the_patches_count_in_the_memory_not_in_a_products_overhead(monkeypatch):
+    """A ``Patched`` layer keeps its input's patches in pass 1's graph: counted in the bytes per sample (the memory),
+    not in ``overhead_rows``' bytes (a row's work) — measured on the quickstart CNN's two layers: 1 → 6 channels, 5×5 on
+    28×28 (25 × 576 floats a sample) and 6 → 16 on 12×12 (150 × 64), against the model with no layer patched."""
+    from flguard.models.zoo import QuickstartCNN
+
+    torch.manual_seed(0)
+    model = QuickstartCNN(1, 10, 28)
+    x, y = torch.randn(3, 1, 28, 28), torch.tensor([0, 1, 2])
+
+    def ghost() -> GhostKmv:
+        ghost_products._MEASURED.clear()
+        op = JacobianOperator(model, x, y, products="direct")
+        return GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
+    patched = ghost()
+    monkeypatch.setattr(ghost_forward, "PATCHED_BELOW_CHANNELS", 0)
+    plain = ghost()
+    assert patched.patch_bytes == 4 * (25 * 576 + 150 * 64) and plain.patch_bytes == 0
+    # the patches replace the two layers' saved inputs (1 × 28² and 6 × 12² floats)
+    assert patched.sample_bytes == plain.sample_bytes + patched.patch_bytes - 4 * (28 * 28 + 6 * 144)
+    assert patched.overhead_rows == pytest.approx(ghost_products.FIXED_BYTES_PER_PARAMETER * 10
+                                                  / (plain.sample_bytes - 4 * (28 * 28 + 6 * 144)))
+
+
 class Block(nn.Module):
     """A ResNet block that halves the map: strided 3×3 convolution with a bias, GroupNorm, a grouped dilated convolution
     with uneven padding, and a strided 1×1 shortcut."""

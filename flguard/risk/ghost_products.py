@@ -55,7 +55,7 @@ from torch.func import vmap
 
 from flguard.risk.dropout_draws import sample_rows
 from flguard.risk.functional import functional_forward
-from flguard.risk.ghost_convolutions import Convolution, weight_dot
+from flguard.risk.ghost_convolutions import Convolution, Patched, weight_dot
 from flguard.risk.ghost_forward import PerSampleParameters, Unsupported, ghost_support
 
 #: The graphs are kept for the step while the whole batch's take at most RETAINED_BYTES (pass 1's saved tensors,
@@ -124,6 +124,7 @@ class GhostKmv:
             earlier = _MEASURED.get(model, {}).get(key)
             fits = earlier is not None and batch * earlier <= retained_bytes + unformed_bytes
             sample_bytes = earlier if fits else None
+        self.patch_bytes: int | None = None  # the ``Patched`` layers' patches per sample, set by the first build
         self.sample_bytes = sample_bytes if sample_bytes is not None else max(self._measure(), 1)
         _MEASURED.setdefault(model, {})[key] = self.sample_bytes
         self.retained = batch * self.sample_bytes <= retained_bytes + unformed_bytes
@@ -138,8 +139,10 @@ class GhostKmv:
     def overhead_rows(self) -> float:
         """A product's cost that does not grow with its rows, in rows' worth: FIXED_BYTES_PER_PARAMETER per parameter
         tensor (each a layer's or a per-sample leaf's nodes in the passes) over pass 1's bytes per sample (what a row
-        adds). The quickstart CNN about 12 rows, ResNet-8-GN 3, ResNet-20-GN 0.8, ResNet-18-GN 0.2."""
-        return FIXED_BYTES_PER_PARAMETER * len(self.params) / self.sample_bytes
+        adds) less its ``Patched`` layers' patches (k² copies of their inputs, taken once a build; counted in the
+        memory, not as a row's work). The quickstart CNN about 14 rows, ResNet-8-GN 3, ResNet-20-GN 0.8, ResNet-18-GN
+        0.2."""
+        return FIXED_BYTES_PER_PARAMETER * len(self.params) / max(self.sample_bytes - (self.patch_bytes or 0), 1)
 
     def _measure(self) -> int:
         """Bytes that pass 1 keeps for one sample: its saved tensors, each view counted once by its own extent (not
@@ -178,6 +181,9 @@ class GhostKmv:
         # state, a projection of a constant) would otherwise be pruned from pass 1, its (δ, x) never recorded
         tokens = [layer.token for layer in mode.layers]
         input_grad, *grads = torch.autograd.grad(loss, [x] + leaves + tokens, create_graph=True, allow_unused=True)
+        if self.patch_bytes is None:
+            self.patch_bytes = sum(layer.first[1][0].numel() * layer.first[1].element_size() for layer in mode.layers
+                                   if isinstance(layer, Patched) and layer.first is not None)
         return _Graph(x, input_grad, names, leaves, grads[:len(leaves)], mode.layers, mode.collecting)
 
     def __call__(self, u: torch.Tensor) -> torch.Tensor:

@@ -44,8 +44,8 @@ def test_pass_ones_bytes_are_measured_once_per_model_and_input_shape(monkeypatch
 
 def test_the_patches_count_in_the_memory_not_in_a_products_overhead(monkeypatch):
     """A ``Patched`` layer keeps its input's patches in pass 1's graph: counted in the bytes per sample (the memory),
-    not in ``overhead_rows``' bytes (a row's work) — measured on the quickstart CNN's two layers: 1 → 6 channels, 5×5 on
-    28×28 (25 × 576 floats a sample) and 6 → 16 on 12×12 (150 × 64), against the model with no layer patched."""
+    not in ``overhead_rows``' bytes (a row's work) — measured on the quickstart CNN's two layers: 1 → 6 channels,
+    5×5 on 28×28 (25 × 576 floats a sample) and 6 → 16 on 12×12 (150 × 64), against the model with no layer patched."""
     from flguard.models.zoo import QuickstartCNN
 
     torch.manual_seed(0)

@@ -3,7 +3,8 @@ its input gradient as a transposed convolution and leave pass 2's weight gradien
 and the inner product of such a w with the sample's own weight gradient wgrad(δ, x) — by two P×P Gram matrices per
 sample, or by the formed weight where that is cheaper. A fully connected layer takes the same route as a 1×1
 convolution over its input's inner positions (``Dense``: one position on a [B, I] input, where the Gram matrices are
-two dot products per pair instead of an O×I weight per sample).
+two dot products per pair instead of an O×I weight per sample); a convolution of few input channels runs on its
+input's patches (``Patched``: the patches unfolded and folded back once a pass, where its products read them anyway).
 """
 
 from __future__ import annotations
@@ -139,11 +140,11 @@ class Dense(Convolution):
 
 @dataclass(eq=False)
 class Patched(Convolution):
-    """An image's first layer taken on its input's patches (``flguard.risk.ghost_forward``): x [B, I·k², P] (``unfold``
-    of the model's input) → W x [B, O, P], W the [O, I·k²] view of the weight (the same numbers). Pass 2's vector
-    reaches it as patches(u), unfolded once for its pair and its convolution — a matrix product, not oneDNN's
-    few-channel convolution — and pass 3's two input gradients, through the output and through the per-sample weight's
-    patches, meet on the patches and are folded back once."""
+    """A convolution of few input channels taken on its input's patches (``flguard.risk.ghost_forward``'s
+    ``PATCHED_BELOW_CHANNELS``): x [B, I·k², P] (``unfold`` of the layer's input) → W x [B, O, P], W the [O, I·k²] view
+    of the weight (the same numbers). Pass 2's vector reaches it as patches, unfolded once for its pair and its
+    convolution — a matrix product, not oneDNN's few-channel convolution — and pass 3's two input gradients, through
+    the output and through the per-sample weight's patches, meet on the patches and are folded back once."""
 
     def convolve(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         return torch.matmul(self.weight if weight is None else weight, x)
@@ -178,15 +179,15 @@ GROUPED_FROM_CHANNELS = 16
 KEPT_PATCHES_BYTES = 2 ** 22
 
 #: ``_Fold`` (``_Patches``' backward) adds k_h·k_w strided slices from this many input channels on; below, ``F.fold``
-#: (col2im),
-#: faster on few channels: measured on one CPU thread, [8, 64, 32, 32] 3×3 4.3 against 23.6 ms, [8, 256, 8, 8] 3.3
-#: against 5.3 ms, [32, 1, 28, 28] and [32, 6, 12, 12] 5×5 (the quickstart CNN's) 1.2 / 1.6 against 1.1 / 1.5 ms.
+#: (col2im), faster on few channels: measured on one CPU thread, [8, 64, 32, 32] 3×3 4.3 against 23.6 ms, [8, 256, 8,
+#: 8] 3.3 against 5.3 ms, [32, 1, 28, 28] and [32, 6, 12, 12] 5×5 (the quickstart CNN's) 1.2 / 1.6 against 1.1 / 1.5
+#: ms.
 SLICES_FROM_CHANNELS = 16
 
 
 class _Patches(torch.autograd.Function):
     """``F.unfold`` of a 4-D input as a strided view copied once (on one CPU thread 3–9× faster than its im2col), its
-    backward ``_Fold`` — differentiable again, so that pass 1 may record it (an image's first layer taken on its
+    backward ``_Fold`` — differentiable again, so that pass 1 may record it (a convolution taken on its input's
     patches, ``Patched``). The ghost K product against ``F.unfold``'s (docs/results.md, "Ghost products on small
     models"): 0.88× on the quickstart CNN at B = 32, 0.85× on ResNet-18-GN at B = 8."""
 

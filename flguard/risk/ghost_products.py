@@ -124,7 +124,8 @@ class GhostKmv:
             earlier = _MEASURED.get(model, {}).get(key)
             fits = earlier is not None and batch * earlier <= retained_bytes + unformed_bytes
             sample_bytes = earlier if fits else None
-        self.patch_bytes: int | None = None  # the ``Patched`` layers' patches per sample, set by the first build
+        #: the ``Patched`` layers' patches per sample, set by the first build (the measure's, where it measures)
+        self.patch_bytes: int | None = None
         self.sample_bytes = sample_bytes if sample_bytes is not None else max(self._measure(), 1)
         _MEASURED.setdefault(model, {})[key] = self.sample_bytes
         self.retained = batch * self.sample_bytes <= retained_bytes + unformed_bytes

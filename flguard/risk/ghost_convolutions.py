@@ -155,7 +155,7 @@ class Patched(Convolution):
 
     def weight_gradient(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Σ over the batch and positions of a ⊗ b: [O, I·k²]."""
-        return torch.bmm(a, b.transpose(1, 2)).sum(0)
+        return self.per_sample_weights(a, b).sum(0)
 
     def patches(self, x: torch.Tensor) -> torch.Tensor:
         return x

@@ -17,7 +17,8 @@ from torch import nn
 from torch.nn.modules.utils import _pair, _single
 from torch.overrides import TorchFunctionMode
 
-from flguard.risk.ghost_convolutions import Convolution, Dense, GhostConv2d, Patched, output_positions, unfold
+from flguard.risk.ghost_convolutions import (GROUPED_FROM_CHANNELS, Convolution, Dense, GhostConv2d, Patched,
+                                             output_positions, unfold)
 
 
 #: The elementwise products and sums a per-sample parameter may enter beside a batched activation
@@ -32,10 +33,10 @@ _METADATA = {"__get__", "dim", "size", "numel", "stride", "is_contiguous", "is_f
 
 
 #: A convolution without groups on fewer input channels than this is taken on its input's patches (``Patched``): there
-#: the product reads the patches anyway (oneDNN's grouped kernels are slower below 16 channels a group:
-#: ``flguard.risk.ghost_convolutions.GROUPED_FROM_CHANNELS``), so pass 2's vector is unfolded once for its pair and its
-#: convolution and pass 3's two input gradients are folded back once. 0: every convolution as PyTorch's.
-PATCHED_BELOW_CHANNELS = 16
+#: the product reads the patches anyway (below ``GROUPED_FROM_CHANNELS`` the formed weight is never taken by grouped
+#: convolutions), so pass 2's vector is unfolded once for its pair and its convolution and pass 3's two input gradients
+#: are folded back once. 0: every convolution as PyTorch's.
+PATCHED_BELOW_CHANNELS = GROUPED_FROM_CHANNELS
 
 
 class Unsupported(Exception):

@@ -515,13 +515,17 @@ def test_patches_equal_unfold_and_its_gradient(channels):
                                rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("channels", [3, 16], ids=["col2im", "slices"])
-def test_patches_and_their_fold_are_differentiable_twice(channels):
+@pytest.mark.parametrize("channels, slices_from", [(3, 1024), (16, 1024), (3, 0), (16, 0)],
+                         ids=["index_add-3", "index_add-16", "slices-3", "slices-16"])
+def test_patches_and_their_fold_are_differentiable_twice(channels, slices_from, monkeypatch):
     """``unfold`` (``_Patches``) and its backward ``_Fold`` differentiated again — pass 1 records the fold of a
     convolution taken on its patches — against finite differences, and the fold against ``F.fold``, with stride,
-    padding and dilation uneven."""
+    padding and dilation uneven: the CPU's two routes (one ``index_add_`` on small maps, strided slices on large
+    ones)."""
+    from flguard.risk import ghost_convolutions
     from flguard.risk.ghost_convolutions import _Fold, unfold
 
+    monkeypatch.setattr(ghost_convolutions, "SLICES_FROM_POSITIONS", slices_from)
     torch.manual_seed(5)
     x = torch.randn(2, channels, 7, 6, dtype=torch.float64, requires_grad=True)
     settings = ((3, 2), (2, 1), (1, 2), (2, 1))  # kernel, stride, padding, dilation

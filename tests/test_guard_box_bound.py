@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import torch
 
 from flguard.guard.box_bound import BoxProfile, clipped_error_bound, least_scales
@@ -170,3 +171,34 @@ def test_the_profile_maximises_the_dual_at_every_scale_from_one_sort():
     replaced[0] = radius[2]
     torch.testing.assert_close(profile.certified_norms(0.7, replaced)[:1], other.certified_norms(0.7, radius[[2]]),
                                rtol=0, atol=0)
+
+
+def test_tied_saturation_scales_give_the_same_profile_in_any_order(monkeypatch):
+    """Pixels that saturate at the same scale (an image's flat background moved alike, as on MNIST) may come out of
+    the sort in any order (NumPy's on a CPU, ``torch.sort`` elsewhere): the profile's bound and least scales are the
+    same function — against the dual scanned from its definition, and against the profile sorted with the ties
+    reversed."""
+    from flguard.guard import box_bound
+
+    torch.manual_seed(6)
+    x = torch.rand(4, 40, dtype=torch.float64)
+    x[:, :24] = 0.25  # one background value, moved alike in blocks: tied t_p = d_p/|Δ_p|
+    shift = torch.randn(4, 40, dtype=torch.float64)
+    shift[:, :12], shift[:, 12:24] = 0.5, -0.2
+    radius = 0.05 * shift.norm(dim=1)
+    profile = BoxProfile(x, shift, torch.zeros(1), torch.ones(1))
+    assert int((profile.saturates[:, 1:] == profile.saturates[:, :-1]).sum()) >= 4 * 20  # the ties are there
+
+    def reversed_ties(values):  # ascending, ties in descending index order
+        index = torch.arange(values.shape[1], dtype=values.dtype).expand_as(values)
+        order = torch.from_numpy(np.lexsort((-index.numpy(), values.numpy()), axis=1))
+        return values.gather(1, order), order
+    monkeypatch.setattr(box_bound, "_sorted_rows", reversed_ties)
+    other = BoxProfile(x, shift, torch.zeros(1), torch.ones(1))
+    for scale in (0.3, 0.75, 2.0):
+        bound = profile.certified_norms(scale, radius)
+        torch.testing.assert_close(other.certified_norms(scale, radius), bound, rtol=1e-13, atol=0)
+        scanned = _dual_on_a_grid(x, shift, scale, radius)
+        assert bool((bound.square() >= scanned.square() - 1e-12).all()), scale
+        assert torch.allclose(bound, scanned, rtol=2e-3, atol=1e-9), (scale, bound, scanned)
+    torch.testing.assert_close(other.least_scales(0.3, 50.0), profile.least_scales(0.3, 50.0), rtol=1e-13, atol=0)

@@ -9,6 +9,7 @@ input's patches (``Patched``: the patches unfolded and folded back once a pass, 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,10 +179,15 @@ GROUPED_FROM_CHANNELS = 16
 #: layers, 2.4 MB a sample at 64 channels and 32×32, are taken afresh, as the graphs kept are already large there).
 KEPT_PATCHES_BYTES = 2 ** 22
 
-#: ``_Fold`` (``_Patches``' backward) adds k_h·k_w strided slices from this many input channels on; below, ``F.fold``
-#: (col2im), faster on few channels: measured on one CPU thread, [8, 64, 32, 32] 3×3 4.3 against 23.6 ms, [8, 256, 8,
-#: 8] 3.3 against 5.3 ms, [32, 1, 28, 28] and [32, 6, 12, 12] 5×5 (the quickstart CNN's) 1.2 / 1.6 against 1.1 / 1.5
-#: ms.
+#: ``_Fold`` (``_Patches``' backward) on a CPU: one ``index_add_`` of every patch entry onto its input position (the
+#: positions ``_patch_index`` keeps) on maps of fewer than SLICES_FROM_POSITIONS positions, else k_h·k_w strided slice
+#: additions. Measured on one CPU thread against ``F.fold`` (col2im) and the slices (docs/results.md, "Patch gradients
+#: folded by one index_add"): [16, 1, 28, 28] and [32, 6, 12, 12] 5×5 (the quickstart CNN's) 0.155 / 0.218 ms against
+#: col2im's 0.239 / 0.401; [8, 256, 8, 8] 3×3 0.79 against 1.29 (slices), [8, 128, 16, 16] 3×3 stride 2 0.40 against
+#: 0.83; on 32×32 maps the slices, equal or up to 8% faster ([8, 64, 32, 32] 3.25 against 3.53 ms).
+SLICES_FROM_POSITIONS = 1024
+#: On other devices ``_Fold`` keeps its earlier rule: the slices from this many input channels on, ``F.fold`` below
+#: (a CUDA ``index_add_`` adds by atomics, in no fixed order).
 SLICES_FROM_CHANNELS = 16
 
 
@@ -196,13 +202,8 @@ class _Patches(torch.autograd.Function):
                 dilation: tuple) -> torch.Tensor:
         ctx.shape, ctx.settings = x.shape, (kernel, stride, padding, dilation)
         padded = F.pad(x, (padding[1], padding[1], padding[0], padding[0])) if any(padding) else x
-        batch, channels = padded.shape[:2]
-        (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
-        rows, cols = _positions(padded.shape, kernel, stride, dilation)
-        sb, sc, sy, sx = padded.stride()
-        view = padded.as_strided((batch, channels, kh, kw, rows, cols), (sb, sc, dh * sy, dw * sx, sh * sy, sw * sx),
-                                 padded.storage_offset())
-        return view.reshape(batch, channels * kh * kw, rows * cols)
+        view = _patch_view(padded, kernel, stride, dilation)  # [B, C, k_h, k_w, rows, columns]
+        return view.reshape(view.shape[0], view.shape[1] * kernel[0] * kernel[1], -1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -210,16 +211,22 @@ class _Patches(torch.autograd.Function):
 
 
 class _Fold(torch.autograd.Function):
-    """``_Patches``' adjoint: [B, C·k_h·k_w, P] summed back onto the input's [B, C, H, W] — k_h·k_w strided slice
-    additions where the input has ``SLICES_FROM_CHANNELS`` channels or more (up to 5× faster than col2im), ``F.fold``
-    below; its own backward ``_Patches``."""
+    """``_Patches``' adjoint: [B, C·k_h·k_w, P] summed back onto the input's [B, C, H, W] — on a CPU one ``index_add_``
+    on maps of fewer than ``SLICES_FROM_POSITIONS`` positions and k_h·k_w strided slice additions on larger ones (both
+    faster than col2im); elsewhere the slices from ``SLICES_FROM_CHANNELS`` channels on and ``F.fold`` below. Its own
+    backward ``_Patches``."""
 
     @staticmethod
     def forward(ctx: Any, grad: torch.Tensor, shape: torch.Size, settings: tuple) -> torch.Tensor:
         ctx.settings = settings
         (kh, kw), (sh, sw), (ph, pw), (dh, dw) = settings
         batch, channels, height, width = shape
-        if channels < SLICES_FROM_CHANNELS:
+        if grad.device.type == "cpu" and height * width < SLICES_FROM_POSITIONS:
+            index = _patch_index(channels, height + 2 * ph, width + 2 * pw, settings, grad.device)
+            out = grad.new_zeros(batch, channels * (height + 2 * ph) * (width + 2 * pw))
+            out.index_add_(1, index, grad.reshape(batch, -1))
+            return out.view(batch, channels, height + 2 * ph, width + 2 * pw)[:, :, ph:ph + height, pw:pw + width]
+        if grad.device.type != "cpu" and channels < SLICES_FROM_CHANNELS:
             return F.fold(grad, (height, width), (kh, kw), (dh, dw), (ph, pw), (sh, sw))
         out = grad.new_zeros(batch, channels, height + 2 * ph, width + 2 * pw)
         rows, cols = _positions(out.shape, (kh, kw), (sh, sw), (dh, dw))
@@ -233,6 +240,25 @@ class _Fold(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         return _Patches.apply(grad, *ctx.settings), None, None
+
+
+def _patch_view(padded: torch.Tensor, kernel: tuple, stride: tuple, dilation: tuple) -> torch.Tensor:
+    """[B, C, k_h, k_w, rows, columns]: a padded input's patches as a strided view of it (no copy)."""
+    (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
+    rows, cols = _positions(padded.shape, kernel, stride, dilation)
+    sb, sc, sy, sx = padded.stride()
+    return padded.as_strided((*padded.shape[:2], kh, kw, rows, cols), (sb, sc, dh * sy, dw * sx, sh * sy, sw * sx),
+                             padded.storage_offset())
+
+
+@functools.lru_cache(maxsize=64)
+def _patch_index(channels: int, height: int, width: int, settings: tuple, device: torch.device) -> torch.Tensor:
+    """[C·k_h·k_w·P] int64: each patch entry's position in a padded input [C, height, width], flattened, in
+    ``unfold``'s order — ``_Fold``'s ``index_add_`` targets (kept per shape: a guard folds the same layers every
+    product)."""
+    kernel, stride, _, dilation = settings
+    positions = torch.arange(channels * height * width, device=device).view(1, channels, height, width)
+    return _patch_view(positions, kernel, stride, dilation).reshape(-1)
 
 
 def unfold(x: torch.Tensor, kernel: tuple, stride: tuple, padding: tuple, dilation: tuple) -> torch.Tensor:

@@ -296,14 +296,14 @@ class GhostConv2d(torch.autograd.Function):
         if torch.is_grad_enabled():  # pass 1 (create_graph)
             layer.first = (gy, x)
             gx = GhostConvTranspose2d.apply(gy, layer.token, layer, x.shape) if ctx.needs_input_grad[0] else None
-            return gx, torch.zeros_like(layer.token), None
+            return gx, None, None  # (the token's gradient is never read: it only makes the passes run this)
         if layer.collecting[0]:
             layer.pairs.append((gy, None))  # b = pass 1's x: its patches are the ones pair_dot unfolds anyway
         # (autograd asks a Python function for every input's gradient; pass 2 (collecting) differentiates in the
         # parameters only, so the model input's, a first layer's transposed convolution, would be thrown away)
         wanted = ctx.needs_input_grad[0] and not (layer.collecting[0] and layer.reads_input)
         gx = layer.transposed(gy, x.shape) if wanted else None
-        return gx, torch.zeros_like(layer.token), None
+        return gx, None, None
 
 
 class GhostConvTranspose2d(torch.autograd.Function):
@@ -323,7 +323,7 @@ class GhostConvTranspose2d(torch.autograd.Function):
         if layer.collecting[0]:
             layer.pairs.append((g.detach(), gbar))
         dg = layer.convolve(gbar) if ctx.needs_input_grad[0] else None
-        return dg, torch.zeros_like(layer.token), None, None
+        return dg, None, None, None
 
 
 def _by_group(t: torch.Tensor, groups: int) -> torch.Tensor:

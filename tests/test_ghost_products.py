@@ -66,6 +66,24 @@ def test_the_patches_count_in_the_memory_not_in_a_products_overhead(monkeypatch)
                                                   / (plain.sample_bytes - 4 * (28 * 28 + 6 * 144)))
 
 
+def test_an_operator_given_the_measure_knows_the_patch_bytes_before_it_builds(monkeypatch):
+    """A GhostKmv given an earlier one's measure (a restricted copy's ``measured``) that rebuilds its graphs at each
+    product (not kept) knows the patches' bytes before its first build: its ``overhead_rows`` — what the shrinking
+    solve weighs a rebuild against — is the measuring one's from the start, not the bytes per sample's with the
+    patches read as a row's work."""
+    from flguard.models.zoo import QuickstartCNN
+
+    torch.manual_seed(0)
+    model = QuickstartCNN(1, 10, 28)
+    op = JacobianOperator(model, torch.randn(3, 1, 28, 28), torch.tensor([0, 1, 2]), products="direct")
+    ghost_products._MEASURED.clear()
+    first = GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
+    monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)
+    later = GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y, first.measured)
+    assert later.graphs is None and later.measured == first.measured == (first.sample_bytes, 4 * (25 * 576 + 150 * 64))
+    assert later.overhead_rows == first.overhead_rows
+
+
 class Block(nn.Module):
     """A ResNet block that halves the map: strided 3×3 convolution with a bias, GroupNorm, a grouped dilated convolution
     with uneven padding, and a strided 1×1 shortcut."""

@@ -194,12 +194,12 @@ class DirectProducts:
             try:
                 # a restricted copy inherits the measure (and the check) of its operator's first GhostKmv
                 self._ghost = GhostKmv(self.model, self.params, self.buffers, self.loss_fn, self.x, self.y,
-                                       getattr(self, "_ghost_sample_bytes", None), self.draws,
+                                       getattr(self, "_ghost_measured", None), self.draws,
                                        getattr(self, "_ghost_unformed_bytes", 0))
             except Unsupported as reason:
                 self.ghost_refused = str(reason)
                 return None
-            self._ghost_sample_bytes = self._ghost.sample_bytes
+            self._ghost_measured = self._ghost.measured
         return self._ghost
 
     def sample_gradient_set(self) -> SampleGradients:

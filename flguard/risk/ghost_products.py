@@ -100,10 +100,10 @@ class GhostKmv:
     """Unscaled K_iu_i = J̃_i(J̃_iᵀu_i) for every sample (module doc), u [B, k, dx] → [B, k, dx]; ``loss_fn`` one
     sample's loss (z [1, …], y [1, …]); ``draws`` the train-mode dropouts' multipliers to replay (batch first).
     Raises ``Unsupported`` on creation where the forward pass uses a parameter otherwise than the rewritten layers do
-    (checked on one sample unless ``sample_bytes`` is given)."""
+    (checked on one sample unless ``measured`` is given)."""
 
     def __init__(self, model: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
-                 loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, sample_bytes: int | None = None,
+                 loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, measured: tuple[int, int | None] | None = None,
                  draws: tuple[torch.Tensor, ...] = (), unformed_bytes: int = 0) -> None:
         reason = ghost_support(model)
         if reason is not None:
@@ -114,20 +114,18 @@ class GhostKmv:
         #: the weights that stay shared (never expanded per sample), by parameter name, True for a fully connected
         #: layer's: convolutions', fully connected layers' and attention's input projections
         self.shared_weights = shared_weights(model)
-        #: pass 1's bytes per sample: ``sample_bytes`` where a GhostKmv of the same model and input shape measured
-        #: them (and checked its forward pass: a restricted copy's), else measured on one sample here — or at an
-        #: earlier step (``_MEASURED``) where the batch's graphs are then kept: building them checks the pass as well
+        #: pass 1's bytes per sample and, of them, the ``Patched`` layers' patches: ``measured`` where a GhostKmv of
+        #: the same model and input shape measured them (and checked its forward pass: a restricted copy's), else
+        #: measured on one sample here — or at an earlier step (``_MEASURED``) where the batch's graphs are then kept:
+        #: building them checks the pass as well. (The patch bytes, where not known, are set by the first build.)
         batch = int(x.shape[0])
         key = _measure_key(model, params, x)
         retained_bytes, chunk_bytes = graph_bytes(x.device)
-        if sample_bytes is None:
+        if measured is None:
             earlier = _MEASURED.get(model, {}).get(key)
-            fits = earlier is not None and batch * earlier <= retained_bytes + unformed_bytes
-            sample_bytes = earlier if fits else None
-        #: the ``Patched`` layers' patches per sample, set by the first build (the measure's, where it measures)
-        self.patch_bytes: int | None = None
-        self.sample_bytes = sample_bytes if sample_bytes is not None else max(self._measure(), 1)
-        _MEASURED.setdefault(model, {})[key] = self.sample_bytes
+            measured = earlier if earlier is not None and batch * earlier[0] <= retained_bytes + unformed_bytes else None
+        self.patch_bytes: int | None = None if measured is None else measured[1]
+        self.sample_bytes = measured[0] if measured is not None else max(self._measure(), 1)
         self.retained = batch * self.sample_bytes <= retained_bytes + unformed_bytes
         #: kept only in the room of the per-sample gradients, which are then never formed (``unformed_bytes``: the
         #: [B, dθ] matrix's size, where the operator's caller reads them through ``flguard.risk.sample_gradients``)
@@ -135,6 +133,13 @@ class GhostKmv:
         most = batch if self.retained else max(1, chunk_bytes // self.sample_bytes)
         self.chunk = -(-batch // -(-batch // most))  # the fewest chunks of at most ``most`` samples, evened out
         self.graphs = [self._build(start) for start in range(0, batch, self.chunk)] if self.retained else None
+        _MEASURED.setdefault(model, {})[key] = self.measured  # (with the patch bytes, where a build took them)
+
+    @property
+    def measured(self) -> tuple[int, int | None]:
+        """(pass 1's bytes per sample, its patches' bytes): what a GhostKmv of the same model and input shape takes
+        as ``measured`` instead of measuring again."""
+        return self.sample_bytes, self.patch_bytes
 
     @property
     def overhead_rows(self) -> float:
@@ -341,7 +346,7 @@ def shared_weights(model: nn.Module) -> dict[str, bool]:
     return shared
 
 
-#: pass 1's bytes per sample by model and ``_measure_key``: a guard builds a new operator at every step, on the same
+#: pass 1's bytes per sample and patch bytes (``GhostKmv.measured``) by model and ``_measure_key``: a guard builds a new operator at every step, on the same
 #: model and input shape (measuring cost about 1.5% of the quickstart CNN's guarded step)
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

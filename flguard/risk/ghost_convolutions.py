@@ -186,6 +186,9 @@ KEPT_PATCHES_BYTES = 2 ** 22
 #: col2im's 0.239 / 0.401; [8, 256, 8, 8] 3×3 0.79 against 1.29 (slices), [8, 128, 16, 16] 3×3 stride 2 0.40 against
 #: 0.83; on 32×32 maps the slices, equal or up to 8% faster ([8, 64, 32, 32] 3.25 against 3.53 ms).
 SLICES_FROM_POSITIONS = 1024
+#: ``_Fold``'s ``index_add_`` only where its index (``_patch_index``: one int64 per patch entry, kept per shape) has at
+#: most this many entries (8 MB; [B, 256, 8, 8] 3×3 has 0.15 M), else the slices: the indices kept stay bounded.
+INDEX_ADD_UP_TO = 2 ** 20
 #: On other devices ``_Fold`` keeps its earlier rule: the slices from this many input channels on, ``F.fold`` below
 #: (a CUDA ``index_add_`` adds by atomics, in no fixed order).
 SLICES_FROM_CHANNELS = 16
@@ -221,7 +224,7 @@ class _Fold(torch.autograd.Function):
         ctx.settings = settings
         (kh, kw), (sh, sw), (ph, pw), (dh, dw) = settings
         batch, channels, height, width = shape
-        if grad.device.type == "cpu" and height * width < SLICES_FROM_POSITIONS:
+        if grad.device.type == "cpu" and height * width < SLICES_FROM_POSITIONS and grad[0].numel() <= INDEX_ADD_UP_TO:
             index = _patch_index(channels, height + 2 * ph, width + 2 * pw, settings, grad.device)
             out = grad.new_zeros(batch, channels * (height + 2 * ph) * (width + 2 * pw))
             out.index_add_(1, index, grad.reshape(batch, -1))
@@ -251,7 +254,7 @@ def _patch_view(padded: torch.Tensor, kernel: tuple, stride: tuple, dilation: tu
                              padded.storage_offset())
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _patch_index(channels: int, height: int, width: int, settings: tuple, device: torch.device) -> torch.Tensor:
     """[C·k_h·k_w·P] int64: each patch entry's position in a padded input [C, height, width], flattened, in
     ``unfold``'s order — ``_Fold``'s ``index_add_`` targets (kept per shape: a guard folds the same layers every

@@ -123,7 +123,8 @@ class GhostKmv:
         retained_bytes, chunk_bytes = graph_bytes(x.device)
         if measured is None:
             earlier = _MEASURED.get(model, {}).get(key)
-            measured = earlier if earlier is not None and batch * earlier[0] <= retained_bytes + unformed_bytes else None
+            fits = earlier is not None and batch * earlier[0] <= retained_bytes + unformed_bytes
+            measured = earlier if fits else None
         self.patch_bytes: int | None = None if measured is None else measured[1]
         self.sample_bytes = measured[0] if measured is not None else max(self._measure(), 1)
         self.retained = batch * self.sample_bytes <= retained_bytes + unformed_bytes
@@ -346,8 +347,8 @@ def shared_weights(model: nn.Module) -> dict[str, bool]:
     return shared
 
 
-#: pass 1's bytes per sample and patch bytes (``GhostKmv.measured``) by model and ``_measure_key``: a guard builds a new operator at every step, on the same
-#: model and input shape (measuring cost about 1.5% of the quickstart CNN's guarded step)
+#: pass 1's bytes per sample and patch bytes (``GhostKmv.measured``) by model and ``_measure_key``: a guard builds a new
+#: operator at every step, on the same model and input shape (measuring cost about 1.5% of the quickstart CNN's step)
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

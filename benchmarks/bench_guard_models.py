@@ -30,9 +30,11 @@ scales in ConvNeXt) and ``vit_tiny32`` (torchvision's VisionTransformer for 32×
 from __future__ import annotations
 
 import argparse
+import copy
 import resource
 import statistics
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -102,12 +104,10 @@ def trained_batches(parser):
     return args, model, data, batches
 
 
-def _unguarded_ms(model, x, y, batches, device: str, lr: float) -> float:
-    """Median ms of an unguarded SGD step on a copy of ``model`` over ``batches`` (after one warm-up step),
-    in the guarded round's own process: the ratio's denominator there. A training step timed in another
+def _unguarded_seconds(model, x, y, batches, device: str, lr: float) -> list[float]:
+    """Seconds of each unguarded SGD step on a copy of ``model`` over ``batches`` (after one warm-up step), in the
+    guarded round's own process: the ratio's denominator there (their median). A training step timed in another
     process varied 2× between processes on a GPU (docs/results.md, H100)."""
-    import copy
-
     twin = copy.deepcopy(model)
     optimizer = torch.optim.SGD(twin.parameters(), lr=lr)
     seconds = []
@@ -119,7 +119,37 @@ def _unguarded_ms(model, x, y, batches, device: str, lr: float) -> float:
         optimizer.step()
         synchronize(device)
         seconds.append(time.perf_counter() - start)
-    return 1000 * statistics.median(seconds[1:])
+    return seconds[1:]
+
+
+def _least_median(runs: list[list[float]]) -> float:
+    """ms: the median over the steps of each step's least time over the runs (the same steps each run) — the round's
+    cost with what a shared machine adds to some runs taken out (``--repeats``)."""
+    return 1000 * statistics.median(min(times) for times in zip(*runs))
+
+
+def _steps(model, optimizer, criterion, x, y, batches, device: str,
+           record: Callable[[Exception | None], None] | None = None) -> list[float]:
+    """Seconds of each step of a round — ``loss.backward(); optimizer.step()`` on each batch, a guard's withheld step
+    (``GuardFailure``) passed to ``record`` after it (None: sent) — its time the step's alone."""
+    from flguard import GuardFailure
+
+    seconds = []
+    for idx in batches:
+        synchronize(device)
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        criterion(model(x[idx]), y[idx]).backward()
+        failure = None
+        try:
+            optimizer.step()
+        except GuardFailure as withheld:
+            failure = withheld
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+        if record is not None:
+            record(failure)
+    return seconds
 
 
 def _median_max(values: list[float]) -> str | None:
@@ -129,7 +159,7 @@ def _median_max(values: list[float]) -> str | None:
 
 def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, device: str, seed: int,
            settings: dict, products: str = "auto", compile_mode: str | None = None, transposed: str = "default",
-           shrink: str = "default", dropout: str = "train") -> dict:
+           shrink: str = "default", dropout: str = "train", repeats: int = 1) -> dict:
     """One local round in this (child) process; its measurements and this process's peak RSS. ``products``:
     the operator's path, "auto" (its own choice), forced "cached" / "direct" (``CACHED_UP_TO`` set here) or "ghost"
     (the batched ghost products on a CUDA device too, ``GUARD_GHOST_ON_CUDA``);
@@ -137,8 +167,10 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
     "on"/"off": the cached Jᵀ pullback built with convolutions' input gradients as transposed convolutions or not
     (``CACHED_TRANSPOSED_INPUT_GRADS``; "default": as shipped); ``shrink`` "on"/"off": the solves' products on their
     still-iterating samples or on the whole batch (``SHRINK_TO_ACTIVE``; "default": as shipped); ``dropout`` "eval": the
-    model's nn.Dropout layers off in both rounds (what the guard asked before it replayed their masks)."""
-    from flguard import GuardConfig, GuardFailure, make_guarded
+    model's nn.Dropout layers off in both rounds (what the guard asked before it replayed their masks); ``repeats``: the
+    guarded round run that many times from the same model, each after the unguarded one timed again (the first run's
+    measurements are reported; ``min_ms``/``here_min_ms``: ``_least_median`` over the runs)."""
+    from flguard import GuardConfig, make_guarded
     from flguard.risk import operator, regularised, sizing
 
     if transposed != "default":
@@ -166,23 +198,19 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE[name] / 5)
     criterion = torch.nn.CrossEntropyLoss()
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed + 1))[:steps * batch]
-    here_ms = _unguarded_ms(model, x, y, order.split(batch), device, LEARNING_RATE[name] / 5) if guarded else None
+    here = [_unguarded_seconds(model, x, y, order.split(batch), device, LEARNING_RATE[name] / 5)] if guarded else []
+    pristine = copy.deepcopy(model) if guarded and repeats > 1 else None
     if guarded:
         config = GuardConfig(pixel_mean=data.mean, pixel_std=data.std, **settings)
         model, optimizer, criterion = make_guarded(model, optimizer, criterion, config)
-    seconds, sent, left_out, products, reasons, used, noise = [], 0, 0, [], [], {}, []
-    for idx in order.split(batch):
-        synchronize(device)
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        criterion(model(x[idx]), y[idx]).backward()
-        try:
-            optimizer.step()
+    sent, left_out, products, reasons, used, noise = 0, 0, [], [], {}, []
+
+    def record(failure: Exception | None) -> None:
+        nonlocal sent, left_out
+        if failure is None:
             sent += 1
-        except GuardFailure as failure:
+        else:
             reasons.append(str(failure)[:600])  # auto: both kinds' reasons
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
         if guarded:
             report = optimizer.guard_reports[-1]
             products.append(report.matvecs)
@@ -191,7 +219,17 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
                 noise.append((report.rel_noise, report.noise_norm, report.details.get("clip_share")))
             kind = report.details.get("defense_used", config.defense) if report.met else "withheld"
             used[kind] = used.get(kind, 0) + 1
+    seconds = _steps(model, optimizer, criterion, x, y, order.split(batch), device, record)
+    runs = [seconds]
+    for _ in range(repeats - 1):  # the same round again, timed only
+        here.append(_unguarded_seconds(pristine, x, y, order.split(batch), device, LEARNING_RATE[name] / 5))
+        again = copy.deepcopy(pristine)
+        again_optimizer = torch.optim.SGD(again.parameters(), lr=LEARNING_RATE[name] / 5)
+        runs.append(_steps(*make_guarded(again, again_optimizer, torch.nn.CrossEntropyLoss(), config), x, y,
+                           order.split(batch), device))
+    here_ms = 1000 * statistics.median(here[0]) if guarded else None
     return dict(ms=1000 * statistics.median(seconds), mean_ms=1000 * statistics.fmean(seconds), here_ms=here_ms,
+                min_ms=_least_median(runs), here_min_ms=_least_median(here) if guarded else None,
                 sent=sent, left_out=left_out,
                 products=statistics.median(products) if products else 0.0, reasons=reasons,
                 rel_noise=statistics.median(n[0] for n in noise) if noise else None,
@@ -229,6 +267,10 @@ def main() -> None:
     parser.add_argument("--dropout", choices=["train", "eval"], default="train",
                         help="the rounds' nn.Dropout layers training (their masks replayed by the guard) or in eval "
                              "mode (both rounds)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the guarded round this many times in its process, each after the unguarded steps "
+                             "timed again, and add ratio_min: the median over the steps of each step's least time "
+                             "over the runs, guarded over unguarded (a shared machine's spread taken out)")
     parser.add_argument("--guard", nargs="*", default=[], metavar="FIELD=VALUE",
                         help="GuardConfig fields beyond the normalisation (default: none, i.e. the defaults), "
                              "e.g. clip_per_sample=median max_rel_noise=40 max_excluded=0.25 rtol=0.01")
@@ -240,7 +282,8 @@ def main() -> None:
             plain = in_child(_round, name, batch, args.steps, args.train_steps, False, args.device, args.seed, settings,
                              "auto", None, "default", "default", args.dropout)
             guard = in_child(_round, name, batch, args.steps, args.train_steps, True, args.device, args.seed, settings,
-                             args.products, args.compile_mode, args.transposed, args.shrink, args.dropout)
+                             args.products, args.compile_mode, args.transposed, args.shrink, args.dropout,
+                             args.repeats)
             row = dict(model=name, guard=" ".join(args.guard) or "defaults", params=plain["params"], B=batch, steps=args.steps, device=args.device,
                        train_ms=plain["ms"], guard_ms=guard["ms"], ratio=guard["ms"] / plain["ms"],
                        train_ms_here=guard["here_ms"], ratio_here=guard["ms"] / guard["here_ms"],
@@ -250,6 +293,9 @@ def main() -> None:
                        noise_norm_max=guard["noise_norm_max"], clip_share=guard["clip_share"],
                        rss_train_gb=plain["rss_gb"], rss_guard_gb=guard["rss_gb"],
                        acc_before=plain["acc_before"], acc_train=plain["acc_after"], acc_guard=guard["acc_after"])
+            if args.repeats > 1:
+                row.update(repeats=args.repeats, guard_min_ms=guard["min_ms"], train_min_ms=guard["here_min_ms"],
+                           ratio_min=guard["min_ms"] / guard["here_min_ms"])
             if args.products != "auto":
                 row["products_path"] = args.products
             if args.compile_mode is not None:

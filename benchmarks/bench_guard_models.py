@@ -11,10 +11,14 @@ batches; ``ratio_mean_here`` the mean guarded step over it — the round's cost 
 some steps and the Gaussian on others, which the median hides), Jacobian products per sample per guarded step, steps sent, samples left out,
 the noise's norm (median and largest over the sent steps), the share of each batch at or below its clip level C
 (``clip_share``, median/max over the steps: 0.5 is the median), peak RSS of each round, test accuracy before and after.
+With ``--repeats N`` the guarded round runs N times in its process, each time after the unguarded steps timed again,
+and ``ratio_min`` divides the median over the steps of each step's least time over the runs by the unguarded steps'
+(on a shared CPU the same code's median step varied ±15% between processes; the least of several runs varies less).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_guard_models.py                   # cnn B=32, resnet20_gn B=32
     OMP_NUM_THREADS=1 python benchmarks/bench_guard_models.py --models cnn \
         --guard clip_per_sample=median max_rel_noise=40 max_excluded=0.25 rtol=0.01     # candidate defaults
+    OMP_NUM_THREADS=1 python benchmarks/bench_guard_models.py --models cnn --guard seed=1 --repeats 5
     OMP_NUM_THREADS=1 python benchmarks/bench_guard_models.py --models resnet18_gn --batch 8 --steps 10
     python benchmarks/bench_guard_models.py --device cuda --models cnn,resnet20_gn,resnet18_gn
 

@@ -225,7 +225,7 @@ def _round(name: str, batch: int, steps: int, train_steps: int, guarded: bool, d
             used[kind] = used.get(kind, 0) + 1
     seconds = _steps(model, optimizer, criterion, x, y, order.split(batch), device, record)
     runs = [seconds]
-    for _ in range(repeats - 1):  # the same round again, timed only
+    for _ in range(repeats - 1 if guarded else 0):  # the same round again, timed only
         here.append(_unguarded_seconds(pristine, x, y, order.split(batch), device, LEARNING_RATE[name] / 5))
         again = copy.deepcopy(pristine)
         again_optimizer = torch.optim.SGD(again.parameters(), lr=LEARNING_RATE[name] / 5)

@@ -225,7 +225,7 @@ class _Fold(torch.autograd.Function):
         (kh, kw), (sh, sw), (ph, pw), (dh, dw) = settings
         batch, channels, height, width = shape
         if grad.device.type == "cpu" and height * width < SLICES_FROM_POSITIONS and grad[0].numel() <= INDEX_ADD_UP_TO:
-            index = _patch_index(channels, height + 2 * ph, width + 2 * pw, settings, grad.device)
+            index = _patch_index(channels, height + 2 * ph, width + 2 * pw, (kh, kw), (sh, sw), (dh, dw), grad.device)
             out = grad.new_zeros(batch, channels * (height + 2 * ph) * (width + 2 * pw))
             out.index_add_(1, index, grad.reshape(batch, -1))
             return out.view(batch, channels, height + 2 * ph, width + 2 * pw)[:, :, ph:ph + height, pw:pw + width]
@@ -255,11 +255,11 @@ def _patch_view(padded: torch.Tensor, kernel: tuple, stride: tuple, dilation: tu
 
 
 @functools.lru_cache(maxsize=16)
-def _patch_index(channels: int, height: int, width: int, settings: tuple, device: torch.device) -> torch.Tensor:
-    """[C·k_h·k_w·P] int64: each patch entry's position in a padded input [C, height, width], flattened, in
-    ``unfold``'s order — ``_Fold``'s ``index_add_`` targets (kept per shape: a guard folds the same layers every
-    product)."""
-    kernel, stride, _, dilation = settings
+def _patch_index(channels: int, height: int, width: int, kernel: tuple, stride: tuple, dilation: tuple,
+                 device: torch.device) -> torch.Tensor:
+    """[C·k_h·k_w·P] int64: each patch entry's position in a padded input [C, height, width] (the padding already in
+    its size), flattened, in ``unfold``'s order — ``_Fold``'s ``index_add_`` targets (kept per shape: a guard folds
+    the same layers every product)."""
     positions = torch.arange(channels * height * width, device=device).view(1, channels, height, width)
     return _patch_view(positions, kernel, stride, dilation).reshape(-1)
 

@@ -232,12 +232,11 @@ class _Fold(torch.autograd.Function):
         if grad.device.type != "cpu" and channels < SLICES_FROM_CHANNELS:
             return F.fold(grad, (height, width), (kh, kw), (dh, dw), (ph, pw), (sh, sw))
         out = grad.new_zeros(batch, channels, height + 2 * ph, width + 2 * pw)
-        rows, cols = _positions(out.shape, (kh, kw), (sh, sw), (dh, dw))
-        grad = grad.reshape(batch, channels, kh, kw, rows, cols)
+        patches = _patch_view(out, (kh, kw), (sh, sw), (dh, dw))  # each kernel offset's positions, a strided slice
+        grad = grad.reshape(patches.shape)
         for i in range(kh):
             for j in range(kw):
-                top, left = i * dh, j * dw
-                out[:, :, top:top + sh * (rows - 1) + 1:sh, left:left + sw * (cols - 1) + 1:sw] += grad[:, :, i, j]
+                patches[:, :, i, j].add_(grad[:, :, i, j])  # in place on the view: no copy back
         return out[:, :, ph:ph + height, pw:pw + width]
 
     @staticmethod

@@ -352,10 +352,10 @@ def pair_dot(layer: Convolution, ghost: bool) -> torch.Tensor:
     delta, x = layer.first
     ghost = ghost and layer.groups == 1
     if ghost and delta.dim() == 2:  # a fully connected layer on [B, I] (P = 1): each Gram matrix one dot product
-        total, fixed = delta.new_zeros(()), x.detach()
-        for a, b in layer.pairs:
-            total = total + ((delta * a).sum(1) * (x * (fixed if b is None else b)).sum(1)).sum()
-        return total
+        fixed = x.detach()  # the pairs stacked [pairs, B, ·]: one expression (and one backward) for them all
+        outputs = torch.stack([a for a, _ in layer.pairs])
+        inputs = torch.stack([fixed if b is None else b for _, b in layer.pairs])
+        return ((delta * outputs).sum(2) * (x * inputs).sum(2)).sum()
     if not ghost and layer.folds_batch():  # the formed weight by convolutions, no patches
         weight = None
         for a, b in layer.pairs:

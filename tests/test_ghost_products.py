@@ -569,6 +569,30 @@ def test_the_input_gradient_of_a_convolution_equals_autograds(channels):
     torch.testing.assert_close(layer.transposed(g, x.shape), torch.autograd.grad(y, x, g)[0], rtol=1e-12, atol=1e-12)
 
 
+def test_a_fully_connected_layers_pairs_dot_the_per_sample_weight_gradients():
+    """``pair_dot`` on a fully connected layer (P = 1, its pairs in one expression): Σ_j ⟨δ_j ⊗ x_j, Σ_pairs a_j ⊗ b_j⟩
+    against the per-sample outer products formed, with a pair whose b is pass 1's x; its gradient in δ and x (pass 3)
+    against autograd of the formed expression; no pairs, zero."""
+    from flguard.risk.ghost_convolutions import Dense, pair_dot
+
+    torch.manual_seed(8)
+    delta = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    layer = Dense(torch.randn(5, 7, dtype=torch.float64), "fc", (), torch.zeros(()))
+    layer.first = (delta, x)
+    a1, a2 = torch.randn(2, 4, 5, dtype=torch.float64)
+    b2 = torch.randn(4, 7, dtype=torch.float64)
+    layer.pairs = [(a1, None), (a2, b2)]
+    got = pair_dot(layer, True)
+    w = torch.einsum("bo,bi->boi", a1, x.detach()) + torch.einsum("bo,bi->boi", a2, b2)
+    want = (torch.einsum("bo,bi->boi", delta, x) * w).sum()
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
+    for g, h in zip(torch.autograd.grad(got, (delta, x)), torch.autograd.grad(want, (delta, x))):
+        torch.testing.assert_close(g, h, rtol=1e-13, atol=1e-14)
+    layer.pairs = []
+    assert float(pair_dot(layer, True)) == 0.0
+
+
 @pytest.mark.parametrize("channels", [1, 3, 6])
 def test_a_convolution_on_its_patches_equals_autograds(channels):
     """``Patched`` on a channels-last input's patches: its output, its input gradient folded back, its summed and

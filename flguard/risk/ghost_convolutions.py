@@ -352,6 +352,8 @@ def pair_dot(layer: Convolution, ghost: bool) -> torch.Tensor:
     delta, x = layer.first
     ghost = ghost and layer.groups == 1
     if ghost and delta.dim() == 2:  # a fully connected layer on [B, I] (P = 1): each Gram matrix one dot product
+        if not layer.pairs:
+            return delta.new_zeros(())
         fixed = x.detach()  # the pairs stacked [pairs, B, ·]: one expression (and one backward) for them all
         outputs = torch.stack([a for a, _ in layer.pairs])
         inputs = torch.stack([fixed if b is None else b for _, b in layer.pairs])

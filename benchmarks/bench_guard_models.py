@@ -114,16 +114,7 @@ def _unguarded_seconds(model, x, y, batches, device: str, lr: float) -> list[flo
     process varied 2× between processes on a GPU (docs/results.md, H100)."""
     twin = copy.deepcopy(model)
     optimizer = torch.optim.SGD(twin.parameters(), lr=lr)
-    seconds = []
-    for idx in [batches[0], *batches]:
-        synchronize(device)
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        F.cross_entropy(twin(x[idx]), y[idx]).backward()
-        optimizer.step()
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    return seconds[1:]
+    return _steps(twin, optimizer, torch.nn.CrossEntropyLoss(), x, y, [batches[0], *batches], device)[1:]
 
 
 def _least_median(runs: list[list[float]]) -> float:

@@ -109,11 +109,12 @@ def test_quickstart_upload_is_the_clipped_loop_plus_exactly_the_guards_noise(qui
     steps: list[tuple[torch.Tensor, torch.Tensor, float]] = []
     protect = Guard.protect
 
-    def spy(self, model, x, y, gradient, loss_fn=None, step_size=None, step_rule=None, draws=None):
+    def spy(self, model, x, y, gradient, loss_fn=None, step_size=None, step_rule=None, draws=None,
+            check_gradient=None):
         assert step_rule is None and not draws  # the app's SGD: its step size, not a measured step; no dropout
         per_sample = JacobianOperator(model, x, y).per_sample_gradients()  # before the guard, independently
         out = protect(self, model, x, y, gradient, loss_fn=loss_fn, step_size=step_size, step_rule=step_rule,
-                      draws=draws)
+                      draws=draws, check_gradient=check_gradient)
         # the default clips each sample's gradient at C (the median norm) and may leave samples out
         # (rmse_after = inf): the upload before noise is the mean of the kept samples' clipped gradients
         clip, kept = out.report.details["clip"], torch.isfinite(out.report.rmse_after)

@@ -16,7 +16,7 @@ What the noise is and how it is scaled to the floor live there and in ``flguard.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ from flguard.guard import clipping
 from flguard.guard.clipping import CLIP_MAX_MOVE, AdaptiveClip, clip_level, lower_quantile
 from flguard.guard.config import THRESHOLD_DEFENSES, GuardConfig
 from flguard.guard.damage import Displacement, StepEffect, step_effect
-from flguard.guard.failure import GuardFailure, dead_network_reason, failure_reason
+from flguard.guard.failure import GuardFailure, UnexplainedGradient, dead_network_reason, failure_reason
 from flguard.guard.floor import Outcome, noise_budget
 from flguard.guard.model_check import require_supported
 from flguard.guard.perturb import AUTO_MAX_MOVE, Perturber
@@ -64,7 +64,8 @@ class Guard:
 
     def protect(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, gradient: torch.Tensor,
                 loss_fn: LossFn | None = None, step_size: float | None = None,
-                step_rule: Displacement | None = None, draws: Sequence[torch.Tensor] | None = None) -> GuardOutput:
+                step_rule: Displacement | None = None, draws: Sequence[torch.Tensor] | None = None,
+                check_gradient: Callable[[torch.Tensor], bool] | None = None) -> GuardOutput:
         """The gradient to upload for the batch ``(x, y)`` — perturbed to the floor, or None — and its
         report (module doc). ``gradient``: the flat gradient of the trainable parameters; ``loss_fn``: the
         loss it is the gradient of (mean cross-entropy by default). ``step_size``: the learning rate of a
@@ -81,16 +82,22 @@ class Guard:
         ``gradient``, in call order (``flguard.risk.dropout_draws``: record them with ``with DropoutDraws() as
         drawing: loss = criterion(model(x), y)`` and pass ``drawing.finish()``; ``make_guarded`` does): the guard
         measures and verifies that very map. Without them such a step is withheld: the gradient was made with
-        masks the guard does not know."""
+        masks the guard does not know. ``check_gradient``: called once with the guard's own gradient of the batch loss
+        c·Σ_i∇_θℓ_i [dθ] (from its per-sample gradients, which clipping takes anyway, before any noise is drawn or any
+        state of the guard's changes); where it returns False, or the operator is coupled (no per-sample gradients),
+        ``flguard.guard.failure.UnexplainedGradient`` is raised instead of a step (``make_guarded``'s step checks
+        ``.grad`` against it rather than recomputing the gradient: docs/results.md, "The guarded step checks .grad
+        against the guard's own gradient")."""
         try:
             with autocast_as(()):
-                return self._protect(model, x, y, gradient, loss_fn, step_size, step_rule, draws)
+                return self._protect(model, x, y, gradient, loss_fn, step_size, step_rule, draws, check_gradient)
         finally:
             release_freed_memory()
 
     def _protect(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, gradient: torch.Tensor,
                  loss_fn: LossFn | None, step_size: float | None, step_rule: Displacement | None,
-                 draws: Sequence[torch.Tensor] | None) -> GuardOutput:
+                 draws: Sequence[torch.Tensor] | None,
+                 check_gradient: Callable[[torch.Tensor], bool] | None = None) -> GuardOutput:
         start = time.perf_counter()
         cfg = self.config
         batch = int(x.shape[0])
@@ -108,6 +115,9 @@ class Guard:
             # only auto (the defense, or the clip level) reads it
             move_scale = _move_scale(model, step_size) if "auto" in (cfg.defense, cfg.clip_per_sample) else None
             with exact_float32(x.device):  # no TF32 in what the certificate rests on (flguard.risk.precision)
+                if check_gradient is not None and (op.coupled or not check_gradient(
+                        op.scale * op.sample_gradient_set().total())):  # (coupled: no per-sample gradients)
+                    raise UnexplainedGradient("the gradient given is not the guard's gradient of the batch loss")
                 if cfg.clip_per_sample is None:
                     outcome = self._perturber.perturb(op, flat, None, self._generator(x.device), move_scale=move_scale)
                 else:  # the attacker then inverts the clipped upload
@@ -118,6 +128,8 @@ class Guard:
                                                                    effect)
                     clip_share = float((op.sample_norms <= op.clip).double().mean())
                     flat = op.gradient
+        except UnexplainedGradient:
+            raise  # the caller's to resolve: nothing was measured against the gradient, nothing is sent
         except Exception as error:  # fail closed on anything, with the reason in the report
             reason = dead_network_reason(op, self._generator(x.device)) or failure_reason(error)
             return self._failed(gradient, batch, reason, op, start)

@@ -16,6 +16,12 @@ class GuardFailure(RuntimeError):
     """Measuring or perturbing failed; the message is the reply's reason."""
 
 
+class UnexplainedGradient(Exception):
+    """``Guard.protect``'s ``check_gradient`` did not vouch for the gradient given against the guard's own gradient of
+    the batch loss: not a failed step (nothing was perturbed or sent, no state of the guard's changed) but the caller's
+    to resolve — ``make_guarded``'s step then recomputes the recorded passes one by one (``flguard.guard.training``)."""
+
+
 #: Failures whose cause the guard can name from a piece of PyTorch's message: (piece, the cause and its fix).
 KNOWN_CAUSES = (
     ("saved tensor hooks", "gradient checkpointing (torch.utils.checkpoint) in the model's forward pass: the guard "

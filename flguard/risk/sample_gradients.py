@@ -33,6 +33,7 @@ class SampleGradients:
     def __init__(self, matrix: torch.Tensor) -> None:
         self.matrix = matrix
         self._norms: torch.Tensor | None = None
+        self._total: torch.Tensor | None = None
 
     def norms(self) -> torch.Tensor:
         """‖g_i‖ [B] (taken once)."""
@@ -52,7 +53,12 @@ class SampleGradients:
         return w.to(self.matrix) @ self.matrix
 
     def total(self) -> torch.Tensor:
-        """Σ_ig_i [dθ]."""
+        """Σ_ig_i [dθ] (taken once: the engine's check of the gradient given and the clipping read it)."""
+        if self._total is None:
+            self._total = self._take_total()
+        return self._total
+
+    def _take_total(self) -> torch.Tensor:
         return self.matrix.sum(0)
 
     def along_sum(self) -> torch.Tensor:
@@ -76,7 +82,7 @@ class GhostSampleGradients(SampleGradients):
 
     def __init__(self, ghost: GhostKmv, form: Callable[[], torch.Tensor]) -> None:
         self.ghost, self.form = ghost, form
-        self._norms = None
+        self._norms = self._total = None
 
     @property
     def device(self) -> torch.device:
@@ -141,7 +147,7 @@ class GhostSampleGradients(SampleGradients):
                     total[layer.name] += part.reshape(total[layer.name].shape)
         return torch.cat([t.reshape(-1) for t in total.values()])
 
-    def total(self) -> torch.Tensor:
+    def _take_total(self) -> torch.Tensor:
         return self.weighted(torch.ones(self.ghost.x.shape[0]))
 
     def along_sum(self) -> torch.Tensor:

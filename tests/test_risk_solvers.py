@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from flguard.risk.krylov import conjugate_gradient
-from flguard.risk.lanczos import lanczos
+from flguard.risk.lanczos import from_basis, in_basis, lanczos, orthogonalised
 from flguard.risk.trace import exact_trace, hutchinson
 
 
@@ -146,3 +146,19 @@ def test_the_class_tables_deflated_trace_is_close_to_the_exact_one():
     spectrum = RegularisedK(op).lanczos(rtol=1e-3, ends="max", seed=0)
     estimate = hutchinson_fro2(op, 16, torch.Generator().manual_seed(1), spectrum)
     torch.testing.assert_close(estimate, truth, rtol=5e-2, atol=0)
+
+
+def test_basis_products_match_each_samples_own_matrix_products():
+    """The Krylov runs' batched basis products against each sample's dense Qv, Qᵀc and (I − QᵀQ)v, float64; a zero
+    row of the basis (a shorter sample's padding) changes nothing."""
+    g = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(3, 9, 4, generator=g, dtype=torch.float64))
+    basis = q.transpose(1, 2).clone()  # [3, 4, 9], orthonormal rows
+    basis[2, 3] = 0.0
+    v = torch.randn(3, 9, generator=g, dtype=torch.float64)
+    c = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    for i in range(3):
+        assert torch.allclose(in_basis(basis, v)[i], basis[i] @ v[i], atol=1e-14)
+        assert torch.allclose(from_basis(basis, c)[i], basis[i].T @ c[i], atol=1e-14)
+        assert torch.allclose(orthogonalised(basis, v)[i], v[i] - basis[i].T @ (basis[i] @ v[i]), atol=1e-14)
+    assert in_basis(basis, orthogonalised(basis, v)).abs().max() < 1e-14

@@ -41,7 +41,7 @@ import torch
 
 from flguard.defenses.base import DefenseContext, Direction
 from flguard.risk.clipped import Jacobian
-from flguard.risk.lanczos import LanczosResult
+from flguard.risk.lanczos import LanczosResult, from_basis
 from flguard.risk.regularised import RegularisedK
 
 #: The fixed filter (``CHOOSE_FILTER = False``, the default until 2026-11-27): v_i on the first FILTER_STEPS steps
@@ -110,7 +110,7 @@ def krylov_resolvent(run: LanczosResult, eps: torch.Tensor,
     space lies inside Q_i's); for k = m the part of K_iv_i beyond the run is dropped. A zero block (T_i = 0) gives
     ι_i = 0, and ε_i = 0 there non-finite values; the caller drops such a sample's part."""
     y, galerkin = _coefficients_and_galerkin(run, eps, filter_steps)
-    return torch.einsum("bkn,bk->bn", run.basis[:, :y.shape[1]], y), galerkin.norm(dim=1)
+    return from_basis(run.basis[:, :y.shape[1]], y), galerkin.norm(dim=1)
 
 
 def chosen_resolvent(run: LanczosResult, eps: torch.Tensor, by: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,7 +136,7 @@ def chosen_resolvent(run: LanczosResult, eps: torch.Tensor, by: str) -> tuple[to
         better = ratio > best[3]
         best = [torch.where(better.unsqueeze(1), y, best[0]), torch.where(better, own, best[1]),
                 torch.where(better, torch.full_like(own, float(k)), best[2]), torch.where(better, ratio, best[3])]
-    return torch.einsum("bkn,bk->bn", run.basis, best[0]), best[1], best[2]
+    return from_basis(run.basis, best[0]), best[1], best[2]
 
 
 def own_solution(run: LanczosResult, eps: torch.Tensor, filter_steps: int | None = None) -> torch.Tensor:

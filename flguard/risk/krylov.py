@@ -24,6 +24,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from flguard.risk.lanczos import from_basis, in_basis
+
 Matvec = Callable[[torch.Tensor], torch.Tensor]
 #: (v [r, n], rows [r]) → A_i v_i for the samples ``rows`` only: lets a solver pay for the samples
 #: still iterating, not the whole batch (``flguard.risk.regularised``'s shrinking products).
@@ -145,8 +147,7 @@ def spectral_preconditioner(ritz_values: torch.Tensor, ritz_vectors: torch.Tenso
                         torch.zeros_like(theta))
 
     def apply(u: torch.Tensor) -> torch.Tensor:
-        coeff = torch.einsum("bkn,bn->bk", ritz_vectors, u)
-        return u + torch.einsum("bkn,bk->bn", ritz_vectors, coeff * scale)
+        return u + from_basis(ritz_vectors, in_basis(ritz_vectors, u) * scale)
 
     return apply
 

@@ -48,13 +48,31 @@ class LanczosResult:
         return self.ritz_values[:, 0]
 
 
+def in_basis(basis: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Q_iᵀv_i [B, m] for bases Q [B, m, n] (rows the basis vectors) and vectors v [B, n]: a batched matrix product,
+    as are ``from_basis`` and ``orthogonalised`` — about half the time of the same ``einsum`` on the Krylov runs' small
+    bases (a [17, 6, 784] Gram-Schmidt pass 0.11 against 0.23 ms on one CPU thread, the same numbers)."""
+    return (basis @ v.unsqueeze(2)).squeeze(2)
+
+
+def from_basis(basis: torch.Tensor, coordinates: torch.Tensor) -> torch.Tensor:
+    """Q_ic_i [B, n]: the vectors of coordinates c [B, m] in bases Q [B, m, n]."""
+    return (coordinates.unsqueeze(1) @ basis).squeeze(1)
+
+
+def orthogonalised(basis: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """v_i − Q_i(Q_iᵀv_i) [B, n]: one classical Gram-Schmidt pass against orthonormal rows Q [B, m, n] (zero rows
+    allowed)."""
+    return v - from_basis(basis, in_basis(basis, v))
+
+
 def _orthonormal_start(batch: int, dim: int, basis: torch.Tensor | None, generator: torch.Generator,
                        like: torch.Tensor) -> torch.Tensor:
     """A random unit vector per sample, orthogonal to ``basis`` [B, m, n] when given."""
     q = torch.randn(batch, dim, generator=generator, dtype=like.dtype, device=like.device)
     if basis is not None:
         for _ in range(2):
-            q = q - torch.einsum("bmn,bm->bn", basis, torch.einsum("bmn,bn->bm", basis, q))
+            q = orthogonalised(basis, q)
     return q / q.norm(dim=1, keepdim=True)
 
 
@@ -96,7 +114,7 @@ def lanczos(matvec: Matvec, batch: int, dim: int, *, like: torch.Tensor, rtol: f
         alphas.append(alpha)
         # Full re-orthogonalisation against every Lanczos vector, twice (classical Gram-Schmidt).
         for _ in range(2):
-            w = w - torch.einsum("bmn,bm->bn", basis, torch.einsum("bmn,bn->bm", basis, w))
+            w = orthogonalised(basis, w)
         beta = w.norm(dim=1)
         if step < min(min_iter, limit):
             # The stopping test cannot end the loop yet: skip the m×m eigenproblem (O(m³) per step,
@@ -149,19 +167,18 @@ class Deflation:
         """(x + W_iy_i, r − (A_i + ε_iI)W_iy_i) with y_i = (T_i + ε_iI)⁻¹W_iᵀr_i, for an iterate x [B, n] and its
         residual r: (A_i + ε_iI)W_iy_i = W_iW_iᵀr_i + y_i[m]·β_mq_{m+1}; from x = 0, r = b the Galerkin solution on W
         and its residual b − W_iW_iᵀb − y_i[m]·β_mq_{m+1}."""
-        projected = torch.where(self.usable, (self.basis @ r.unsqueeze(2)).squeeze(2), 0.0)  # W_iᵀr_i [B, m]
+        projected = torch.where(self.usable, in_basis(self.basis, r), 0.0)  # W_iᵀr_i [B, m]
         y = (self.inverse @ projected.unsqueeze(2)).squeeze(2)
-        image = (projected.unsqueeze(1) @ self.basis).squeeze(1)
-        return x + (y.unsqueeze(1) @ self.basis).squeeze(1), r - image - y[:, -1:] * self.remainder
+        return x + from_basis(self.basis, y), r - from_basis(self.basis, projected) - y[:, -1:] * self.remainder
 
     def directions(self, z: torch.Tensor) -> torch.Tensor:
         """z − W_i(T_i + ε_iI)⁻¹((A_i + ε_iI)W_i)ᵀz [B, n]: z made A-orthogonal to W_i, where
         (T + εI)⁻¹((A + εI)W)ᵀz = Wᵀz + (T + εI)⁻¹e_m·⟨β_mq_{m+1}, z⟩ — or z itself where that leaves nothing of it
         (below √machine-ε of its norm: a run whose space is the whole input space, on a tiny model), so the iteration
         never takes a zero step."""
-        coefficients = (torch.where(self.usable, (self.basis @ z.unsqueeze(2)).squeeze(2), 0.0)
+        coefficients = (torch.where(self.usable, in_basis(self.basis, z), 0.0)
                         + self.inverse[:, :, -1] * (self.remainder * z).sum(dim=1, keepdim=True))
-        deflated = z - (coefficients.unsqueeze(1) @ self.basis).squeeze(1)
+        deflated = z - from_basis(self.basis, coefficients)
         kept = deflated.norm(dim=1, keepdim=True) > torch.finfo(z.dtype).eps ** 0.5 * z.norm(dim=1, keepdim=True)
         return torch.where(kept, deflated, z)
 

@@ -36,6 +36,7 @@ import torch
 
 from flguard.risk.krylov import (Matvec, RowsMatvec, Sufficient, _on_rows, preconditioned_cg, residual_ball,
                                  spectral_preconditioner)
+from flguard.risk.lanczos import from_basis, orthogonalised
 
 _ITERATE, _VERIFY, _DONE = 0, 1, 2
 #: With ``sufficient``: a stop whose true error bound is within DRIFT× the recurrence's estimate was
@@ -135,7 +136,7 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
             alpha[idx, m] = (w * q).sum(1)
             used = basis[idx, :size]  # rows past each sample's length are zero: harmless in Gram-Schmidt
             for _ in range(2):  # full re-orthogonalisation, twice
-                w = w - torch.einsum("rkn,rk->rn", used, torch.einsum("rkn,rn->rk", used, w))
+                w = orthogonalised(used, w)
             b = w.norm(dim=1)
             length[idx] = m + 1
             theta, top_residual, y_last, y, eps_now = _tridiagonal_facts(alpha[idx], beta[idx], length[idx], b,
@@ -145,7 +146,7 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
             no_rhs = rhs_norm[idx] == 0  # x = 0 is exact; λmax is still wanted
             # a sample that stops: x = Q y, checked against the true residual at the next product; until then its
             # residual is −y_m·w by the Lanczos relation (w = β_m q_{m+1}), which gives the ball's estimate
-            solution = torch.einsum("rkn,rk->rn", used, y[:, :size])
+            solution = from_basis(used, y[:, :size])
             centre, radius = residual_ball(solution, -y_last.unsqueeze(1) * w, eps_now)
             solve_ok = no_rhs | ((eps_now > 0) & (radius <= rtol * centre.norm(dim=1)))
             full = length[idx] >= limit
@@ -165,7 +166,7 @@ def lanczos_solve(matvec: Matvec, rhs: torch.Tensor, *, eps: float, relative: bo
             if bool(broken.any()):  # drawn only at a step where some sample broke down
                 fresh = torch.randn(idx.numel(), dim, generator=generator, dtype=dtype, device=device)
                 for _ in range(2):
-                    fresh = fresh - torch.einsum("rkn,rk->rn", used, torch.einsum("rkn,rn->rk", used, fresh))
+                    fresh = orthogonalised(used, fresh)
                 following = torch.where(broken.unsqueeze(1), fresh / fresh.norm(dim=1, keepdim=True), following)
             basis[idx, length[idx]] = following
             beta[idx, m] = torch.where(broken, torch.zeros_like(b), b)

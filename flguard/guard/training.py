@@ -226,9 +226,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def _explains(self, params: list[nn.Parameter], last: RecordedPass, sent: torch.Tensor,
                   measured: torch.Tensor) -> bool:
-        """``Guard.protect``'s ``check_gradient``: whether ``.grad`` (``sent``) is the gradient of the last pass's loss —
-        the guard's own, c·Σ_i∇ℓ_i (``measured``), to ``same_gradient``'s tolerance, or where rounding in that sum
-        puts it outside, the pass recomputed as ``_run_in_grad`` does."""
+        """``Guard.protect``'s ``check_gradient``: whether ``.grad`` (``sent``) is the gradient of the last pass's
+        loss — the guard's own, c·Σ_i∇ℓ_i (``measured``), to ``same_gradient``'s tolerance, or where rounding in that
+        sum puts it outside, the pass recomputed as ``_run_in_grad`` does."""
         if same_gradient(sent, measured.to(sent), ()):
             return True
         return same_gradient(sent, self._recompute(params, *last.batch(), (), last.path, last.draws), ())

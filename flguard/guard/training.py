@@ -199,11 +199,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 return self._protected(guard, params, [last], sent, last)
             except UnexplainedGradient:
                 pass  # the passes recomputed one by one, as below
-        run, as_recorded = self._explaining_run(params, sent, last)
-        path = _one_path(run)
-        # the guard measures and sends float32: a mixed-precision pass is recomputed without autocast
-        reference = (as_recorded if not any(recorded.autocast for recorded in run) else
-                     sum(self._recompute(params, *recorded.batch(), (), path, recorded.draws) for recorded in run))
+        run, reference = self._explaining_run(params, sent, last)
+        if any(recorded.autocast for recorded in run):  # the guard measures and sends float32: recomputed without it
+            path = _one_path(run)
+            reference = sum(self._recompute(params, *recorded.batch(), (), path, recorded.draws) for recorded in run)
         return self._protected(guard, params, run, reference)
 
     def _checked_by_guard(self, guard: Guard, last: RecordedPass, sent: torch.Tensor) -> bool:

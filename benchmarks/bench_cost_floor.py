@@ -9,11 +9,12 @@ In one process, on the demo's trained CNN and one local epoch of client 0's batc
 - a training step (forward, backward, SGD update), as the unguarded round runs it (20 steps back to
   back: the median of three rounds' per-step times): the unit;
 - a new ``JacobianOperator`` on the batch with the products the guard takes on this device
-  (``flguard.risk.sizing.guard_products``: on a CPU the batched ghost products, which build their graphs with the
-  operator; ``--products`` for another path), wrapped in the demo's per-sample clipping (``ClippedJacobian``:
-  per-sample gradients);
+  (``flguard.risk.sizing.guard_products``: on a CPU the batched ghost products, whose graphs the operator builds;
+  ``--products`` for another path), wrapped in the demo's per-sample clipping (``ClippedJacobian``: per-sample
+  gradients);
 - its first and a later J product on one vector shared by the samples, as the guard applies J_i to the noise it
-  sends (on the cached path the first builds the pullback of the gradient map), and a K = JJᵀ product;
+  sends (the first also takes the clipping's images J̃_ig̃_i, once an operator; on the cached path it builds the
+  pullback of the gradient map), and a first and a later K = JJᵀ product;
 - a Hessian-vector product of the batch loss for B vectors at once (``vmap``): what each later step
   of a round adds to one product with the exact multi-step Jacobian of the round's update,
   ∂(θ_T − θ_0)/∂x_i = −η Π_{s>t}(I − ηH_s) ∂g_t/∂x_i (plain SGD; J̃ᵀ and J̃ each pass T − t steps);

@@ -39,6 +39,7 @@ from flguard.attacks.objectives import (MATCHING_DISTANCES, GradientObserver, Lo
                                         project_target)
 from flguard.risk.closed_forms import regularised_gain
 from flguard.risk.defaults import DEFAULT_EPS_RELATIVE
+from flguard.risk.lanczos import orthogonalised
 from flguard.risk.operator import JacobianOperator
 from flguard.risk.regularised import RegularisedK
 
@@ -140,7 +141,7 @@ def adaptive(model: nn.Module, target: Sequence[torch.Tensor], input_shape: Sequ
                                        krylov_steps=krylov_steps, select=select, eps=eps, seed=seed)
     if warm_start:
         flat = first.images.reshape(batch_size, -1)
-        flat = flat - torch.einsum("bkn,bk->bn", weak_inputs, torch.einsum("bkn,bn->bk", weak_inputs, flat))
+        flat = orthogonalised(weak_inputs, flat)
         init: str | torch.Tensor = flat.reshape(first.images.shape)
     else:
         init = "randn"

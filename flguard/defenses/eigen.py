@@ -16,7 +16,7 @@ import torch
 
 from flguard.defenses.base import DefenseContext, Direction
 from flguard.risk.closed_forms import regularised_gain
-from flguard.risk.lanczos import LanczosResult
+from flguard.risk.lanczos import LanczosResult, from_basis
 
 def _ritz_pairs(ctx: DefenseContext) -> LanczosResult:
     """The guard's spectrum of K_i, which must carry Ritz vectors [B, m, dx] (Lanczos run with
@@ -50,7 +50,7 @@ def eigen_direction(ctx: DefenseContext) -> Direction:
     # gain √θ/(θ+ε) is too small to matter.
     theta = spectrum.ritz_values.gather(1, best.indices)
     floor = 1e-8 * spectrum.ritz_values.max(dim=1, keepdim=True).values.clamp_min(torch.finfo(theta.dtype).tiny)
-    mixed = torch.einsum("bk,bkn->bn", weights / torch.maximum(theta, floor).sqrt(), chosen)
+    mixed = from_basis(chosen, weights / torch.maximum(theta, floor).sqrt())
     combined = op.jt_sum(mixed)
     return Direction(combined, {"kind": "eigen", "subspace": k, "best_gain": best.values[:, 0],
                                 "mean_gain": best.values.mean(1)})

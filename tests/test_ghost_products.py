@@ -4,22 +4,22 @@ Jacobians: a channels-last 3-channel GroupNorm ResNet-shaped model with every co
 of taking a convolution's inner product (Gram matrices, formed weight), graphs kept or rebuilt in chunks, and a
 ViT-shaped one (a class token, self-attention batch first and sequence first), 1-D convolutions, and weights used
 several times (a convolution applied twice, recurrent layers and cells); torchvision's MobileNetV3, ConvNeXt and
-VisionTransformer against the one-sample loop; and the models it refuses, whose products stay the loop's."""
+VisionTransformer against the one-sample loop. The shapes are in ``ghost_shapes``; the models the products refuse in
+``test_ghost_refusals``, the convolution pieces in ``test_ghost_convolutions``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flguard.risk import direct, ghost_convolutions, ghost_forward, ghost_products
+from flguard.risk import ghost_convolutions, ghost_forward, ghost_products
 from flguard.risk.clipped import ClippedJacobian
-from flguard.risk.ghost_convolutions import Convolution
-from flguard.risk.ghost_forward import Unsupported, ghost_support
+from flguard.risk.ghost_forward import ghost_support
 from flguard.risk.ghost_products import GhostKmv
 from flguard.risk.operator import JacobianOperator
+from ghost_shapes import (CONVOLUTIONAL, SHAPES, ScaledNorm, dense_blocks, dense_k, resnet_shaped, sample_batch,
+                          small_cnn, vit_shaped)
 from risk_reference import dense_jacobians
 
 
@@ -27,8 +27,8 @@ def test_pass_ones_bytes_are_measured_once_per_model_and_input_shape(monkeypatch
     """A guard builds a new operator at every step: pass 1's bytes per sample are measured at the first one and reused
     for the same model, input shape and parameters (its graphs kept, so that building them checks the forward pass);
     another input shape is measured again."""
-    model = _model()
-    x, y = _batch()
+    model = resnet_shaped()
+    x, y = sample_batch()
     measured = []
     original = GhostKmv._measure
     monkeypatch.setattr(GhostKmv, "_measure", lambda self: measured.append(1) or original(self))
@@ -84,234 +84,6 @@ def test_an_operator_given_the_measure_knows_the_patch_bytes_before_it_builds(mo
     assert later.overhead_rows == first.overhead_rows
 
 
-class Block(nn.Module):
-    """A ResNet block that halves the map: strided 3×3 convolution with a bias, GroupNorm, a grouped dilated convolution
-    with uneven padding, and a strided 1×1 shortcut."""
-
-    def __init__(self, cin: int, cout: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride=2, padding=1)
-        self.norm1 = nn.GroupNorm(2, cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, padding=(2, 1), dilation=(2, 1), bias=False, groups=3)
-        self.norm2 = nn.GroupNorm(3, cout)
-        self.shortcut = nn.Conv2d(cin, cout, 1, stride=2, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.norm2(self.conv2(F.relu(self.norm1(self.conv1(x)))))
-        return F.relu(out + self.shortcut(x))
-
-
-def _model() -> nn.Module:
-    """Reflect-padded stem → depthwise convolution (two outputs per channel) → GroupNorm → ReLU → Block → pooling →
-    Linear on [B, 4, 6] → Linear, float64."""
-    torch.manual_seed(0)
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.stem = nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")
-            self.depthwise = nn.Conv2d(4, 8, 3, padding=1, groups=4)
-            self.norm = nn.GroupNorm(2, 8)
-            self.block = Block(8, 6)
-            self.mix = nn.Linear(6, 5)  # on [B, positions, channels]: a Linear with an inner batch dimension
-            self.head = nn.Linear(20, 3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            z = F.adaptive_avg_pool2d(self.block(F.relu(self.norm(self.depthwise(self.stem(x))))), 2)
-            return self.head(torch.tanh(self.mix(z.flatten(2).transpose(1, 2))).flatten(1))
-    return Net().double()
-
-
-class _ConvNeXtBlock(nn.Module):
-    """ConvNeXt's block: a depthwise 7×7 convolution, LayerNorm over channels-last features, an inverted fully connected
-    bottleneck on [B, H, W, C], and a layer scale (a parameter of the block itself) on the residual branch."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.depthwise = nn.Conv2d(width, width, 7, padding=3, groups=width)
-        self.norm = nn.LayerNorm(width)
-        self.expand = nn.Linear(width, 2 * width)
-        self.project = nn.Linear(2 * width, width)
-        self.layer_scale = nn.Parameter(torch.rand(width, 1, 1) + 0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(self.depthwise(x).permute(0, 2, 3, 1))
-        return x + self.layer_scale * self.project(F.gelu(self.expand(h))).permute(0, 3, 1, 2)
-
-
-def _convnext_model() -> nn.Module:
-    """A patchify stem → ConvNeXt block → tokens with an added position embedding ([1, N, D]) → LayerNorm → mean →
-    Linear, float64: the parameters that enter elementwise beside the activations."""
-    torch.manual_seed(0)
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.stem = nn.Conv2d(3, 4, 2, stride=2)
-            self.block = _ConvNeXtBlock(4)
-            self.position = nn.Parameter(0.1 * torch.randn(1, 16, 4))
-            self.norm = nn.LayerNorm(4)
-            self.head = nn.Linear(4, 3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            tokens = self.block(self.stem(x)).flatten(2).transpose(1, 2) + self.position
-            return self.head(self.norm(tokens).mean(1))
-    return Net().double()
-
-
-class _ViT(nn.Module):
-    """A vision transformer as torchvision writes one: 2×2 patches by a strided convolution, a class token [1, 1, D]
-    expanded to the batch and put first, a position embedding, a pre-norm block — ``nn.MultiheadAttention`` in
-    self-attention (batch first, or sequence first: tokens [L, N, D]) and a GELU MLP over the tokens — a final
-    LayerNorm and a head on the class token."""
-
-    def __init__(self, batch_first: bool = True, width: int = 4) -> None:
-        super().__init__()
-        self.batch_first = batch_first
-        self.patches = nn.Conv2d(3, width, 2, stride=2)
-        self.class_token = nn.Parameter(0.1 * torch.randn(1, 1, width))
-        self.position = nn.Parameter(0.1 * torch.randn(1, 17, width))
-        self.norm1, self.norm2, self.norm = nn.LayerNorm(width), nn.LayerNorm(width), nn.LayerNorm(width)
-        self.attention = nn.MultiheadAttention(width, 2, batch_first=batch_first)
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
-        self.head = nn.Linear(width, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = self.patches(x).flatten(2).transpose(1, 2)
-        tokens = torch.cat([self.class_token.expand(x.shape[0], -1, -1), tokens], dim=1) + self.position
-        h = self.norm1(tokens) if self.batch_first else self.norm1(tokens).transpose(0, 1)
-        attended = self.attention(h, h, h, need_weights=False)[0]
-        tokens = tokens + (attended if self.batch_first else attended.transpose(0, 1))
-        tokens = tokens + self.mlp(self.norm2(tokens))
-        return self.head(self.norm(tokens)[:, 0])
-
-
-class _CrossAttention(nn.Module):
-    """Cross-attention as an encoder-decoder writes it: the image's 16 patch tokens split in two, the first half
-    attending to the second through ``nn.MultiheadAttention`` with biases — one packed projection applied to queries,
-    keys and values, or (``separate``) keys and values of their own width through q's, k's and v's own weights."""
-
-    def __init__(self, separate: bool) -> None:
-        super().__init__()
-        self.patches = nn.Conv2d(3, 4, 2, stride=2)
-        self.memory = nn.Linear(4, 6 if separate else 4)
-        width = 6 if separate else None
-        self.attention = nn.MultiheadAttention(4, 2, batch_first=True, kdim=width, vdim=width)
-        self.head = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = torch.tanh(self.patches(x).flatten(2).transpose(1, 2))
-        memory = torch.tanh(self.memory(tokens[:, 8:]))
-        return self.head(self.attention(tokens[:, :8], memory, memory, need_weights=False)[0].mean(1))
-
-
-def _vit_model(batch_first: bool = True) -> nn.Module:
-    torch.manual_seed(0)
-    return _ViT(batch_first).double()
-
-
-def _batch(batch: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    torch.manual_seed(1)
-    x = torch.randn(batch, 3, 8, 9, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
-    return x, torch.arange(batch) % 3
-
-
-def _dense_jacobians(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """[B, dx, dθ] of the batch loss, attention on PyTorch's "math" kernel (its flash kernel has no double backward)."""
-    with sdpa_kernel(SDPBackend.MATH):
-        return dense_jacobians(model, x, y)[0]
-
-
-def _dense_k(model: nn.Module, x: torch.Tensor, y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    jac = _dense_jacobians(model, x, y)
-    return torch.einsum("bap,bkp->bka", jac, torch.einsum("bap,bka->bkp", jac, u))
-
-
-class _Recurrent(nn.Module):
-    """An image as a sequence (6 steps of 36 features) through a recurrent layer, the last step to a head."""
-
-    def __init__(self, cell: str, **settings) -> None:
-        super().__init__()
-        self.rnn = getattr(nn, cell)(36, 5, batch_first=True, **settings)
-        width = settings.get("proj_size", 0) or 5
-        self.head = nn.Linear(width * (2 if settings.get("bidirectional") else 1), 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.rnn(x.reshape(x.shape[0], 6, 36))[0][:, -1])
-
-
-class _CellLoop(nn.Module):
-    """An ``nn.LSTMCell`` stepped by hand over the same 6 steps, its last state to a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cell = nn.LSTMCell(36, 5)
-        self.head = nn.Linear(5, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        steps, state = x.reshape(x.shape[0], 6, 36), None
-        for t in range(6):
-            state = self.cell(steps[:, t], state)
-        return self.head(state[0])
-
-
-class _Series(nn.Module):
-    """A time series' 1-D convolutions (the image as 3 channels of 72 steps): strided and padded, GroupNorm, a grouped
-    dilated one and a reflect-padded one (``F.pad`` before the convolution)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = nn.Conv1d(3, 6, 5, stride=2, padding=2)
-        self.norm = nn.GroupNorm(2, 6)
-        self.grouped = nn.Conv1d(6, 6, 3, padding=2, dilation=2, groups=3)
-        self.reflect = nn.Conv1d(6, 4, 3, padding=1, padding_mode="reflect")
-        self.head = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        z = torch.tanh(self.norm(self.first(x.reshape(x.shape[0], 3, -1))))
-        return self.head(torch.tanh(self.reflect(torch.tanh(self.grouped(z)))).mean(2))
-
-
-class _ProjectedConstant(nn.Module):
-    """Features gated by a projection of a constant expanded to the batch: a fully connected layer whose input the
-    batch does not reach, but whose weight's per-sample gradient δ_i ⊗ c does depend on x_i (pass 1 once pruned it,
-    and the products dropped that term)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3)
-        self.gate = nn.Linear(5, 4)
-        self.register_buffer("constant", torch.randn(1, 5))
-        self.head = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        features = torch.tanh(self.conv(x)).mean((2, 3))
-        return self.head(features * self.gate(self.constant.expand(x.shape[0], -1)))
-
-
-def _recurrent_model(cell: str, **settings) -> nn.Module:
-    torch.manual_seed(0)
-    return _Recurrent(cell, **settings).double()
-
-
-SHAPES = {"ResNet": lambda: _model(), "ConvNeXt": lambda: _convnext_model(), "ViT": lambda: _vit_model(),
-          "ViT sequence first": lambda: _vit_model(batch_first=False),
-          "cross-attention": lambda: (torch.manual_seed(0), _CrossAttention(separate=False).double())[1],
-          "cross-attention, q, k and v weights of their own": lambda: (torch.manual_seed(0),
-                                                                      _CrossAttention(separate=True).double())[1],
-          "a convolution used twice": lambda: _TwiceUsed().double(),
-          "1-D convolutions": lambda: (torch.manual_seed(0), _Series().double())[1],
-          "a projection of a constant": lambda: (torch.manual_seed(0), _ProjectedConstant().double())[1],
-          "LSTM": lambda: _recurrent_model("LSTM"),
-          "stacked LSTM with a projection": lambda: _recurrent_model("LSTM", num_layers=2, proj_size=3),
-          "bidirectional GRU": lambda: _recurrent_model("GRU", bidirectional=True),
-          "ReLU RNN": lambda: _recurrent_model("RNN", nonlinearity="relu"),
-          "LSTMCell stepped by hand": lambda: (torch.manual_seed(0), _CellLoop().double())[1]}
-
-
-#: The shapes with convolutions, whose formed weight can also run with the batch folded into a convolution's groups
-CONVOLUTIONAL = ("ResNet", "ConvNeXt", "a convolution used twice", "1-D convolutions", "a projection of a constant")
-#: (Gram matrices, the batch folded into groups, convolutions of fewer channels than this taken on their patches)
 ROUTES = {"Gram matrices": (True, False, 16), "formed weight on patches": (False, False, 16),
           "Gram matrices, no layer on its patches": (True, False, 0),
           "formed weight on patches, no layer on its patches": (False, False, 0),
@@ -341,7 +113,7 @@ def test_ghost_k_product_matches_the_dense_jacobian(route, kept, shape, monkeypa
         monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)
     model = SHAPES[shape]()
     assert ghost_support(model) is None
-    x, y = _batch()
+    x, y = sample_batch()
     op = JacobianOperator(model, x, y, products="direct")
     op.sample_chunk = 1
     ghost = GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
@@ -349,10 +121,10 @@ def test_ghost_k_product_matches_the_dense_jacobian(route, kept, shape, monkeypa
         ghost.chunk = 2
     assert ghost.retained == kept and (ghost.graphs is not None) == kept
     u = torch.randn(3, 2, op.dx, dtype=torch.float64)
-    want = _dense_k(model, x, y, u)
+    want = dense_k(model, x, y, u)
     for _ in range(2):  # the second product on the same (kept or rebuilt) graphs
         torch.testing.assert_close(op.scale ** 2 * ghost(u), want, rtol=1e-9, atol=1e-12)
-    unscaled = _dense_jacobians(model, x, y) / op.scale
+    unscaled = dense_blocks(model, x, y) / op.scale
     torch.testing.assert_close(ghost.gradient_images(),
                                torch.einsum("bap,bp->ba", unscaled, op.per_sample_gradients()), rtol=1e-9, atol=1e-12)
     v = torch.randn(op.dtheta, dtype=torch.float64)
@@ -369,14 +141,14 @@ def test_ghost_k_product_matches_the_dense_jacobian(route, kept, shape, monkeypa
 
 
 def test_the_direct_path_takes_the_ghost_product_one_sample_at_a_time_and_clipped():
-    model = _model()
-    x, y = _batch()
+    model = resnet_shaped()
+    x, y = sample_batch()
     op = JacobianOperator(model, x, y, products="direct")
     op.sample_chunk = 1
     assert op.one_at_a_time and op.ghost_products
     u = torch.randn(3, 1, op.dx, dtype=torch.float64)
     jac, _ = dense_jacobians(model, x, y)
-    torch.testing.assert_close(op.kmv(u), _dense_k(model, x, y, u), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(op.kmv(u), dense_k(model, x, y, u), rtol=1e-9, atol=1e-12)
     assert op._ghost is not None and getattr(op, "ghost_refused", None) is None
     # clipped at the median norm: K̄_iu = s_i²J_i(I − ĝ_iĝ_iᵀ)J_iᵀu against the dense blocks and gradients
     clip = float(op.per_sample_gradients().norm(dim=1).median())
@@ -409,16 +181,8 @@ def test_the_direct_path_takes_the_ghost_product_one_sample_at_a_time_and_clippe
                                rtol=1e-9, atol=1e-12)
     # a restricted copy builds graphs of its own rows
     sub = op.restricted(torch.tensor([2, 0]))
-    torch.testing.assert_close(sub.kmv(u[[2, 0]]), _dense_k(model, x, y, u)[[2, 0]], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(sub.kmv(u[[2, 0]]), dense_k(model, x, y, u)[[2, 0]], rtol=1e-9, atol=1e-12)
     assert sub._ghost is not op._ghost
-
-
-def _small_cnn() -> nn.Module:
-    """The quickstart CNN's shape on 3 channels: a first convolution on the input itself (pass 2 skips its input
-    gradient), pooling, fully connected layers on [B, features] (one position each), float64."""
-    torch.manual_seed(2)
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 5, 2), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(5 * 2 * 2, 6), nn.Tanh(), nn.Linear(6, 3)).double()
 
 
 def test_products_ghost_takes_the_batched_products_where_the_cached_path_would_run():
@@ -426,15 +190,15 @@ def test_products_ghost_takes_the_batched_products_where_the_cached_path_would_r
     at a time with the batched ghost products on graphs built at once — its K product, summed Jᵀ, clipping images and the
     noise's J against the dense blocks; a model whose forward pass refuses them, or graphs too large to keep, stay
     cached."""
-    model = _small_cnn()
-    x, y = _batch(4)
+    model = small_cnn()
+    x, y = sample_batch(4)
     op = JacobianOperator(model, x, y, products="ghost")
     assert op.direct and op.one_at_a_time and op._ghost is not None and op._ghost.retained
     assert [layer.reads_input for layer in op._ghost.graphs[0].layers] == [True, False, False, False]
     assert not JacobianOperator(model, x, y).direct  # "auto" keeps the cached pullbacks
     jac, _ = dense_jacobians(model, x, y)
     u = torch.randn(4, 2, op.dx, dtype=torch.float64)
-    torch.testing.assert_close(op.kmv(u), _dense_k(model, x, y, u), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(op.kmv(u), dense_k(model, x, y, u), rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(op.jt_sum(u[:, 0]), torch.einsum("bap,ba->p", jac, u[:, 0]), rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(op.gradient_images(), torch.einsum("bap,bp->ba", jac, op.per_sample_gradients()),
                                rtol=1e-9, atol=1e-12)
@@ -444,15 +208,15 @@ def test_products_ghost_takes_the_batched_products_where_the_cached_path_would_r
     # per-sample vectors: one sample at a time, the same blocks
     w = torch.randn(4, 1, op.dtheta, dtype=torch.float64)
     torch.testing.assert_close(op.j(w)[:, 0], torch.einsum("bap,bp->ba", jac, w[:, 0]), rtol=1e-9, atol=1e-12)
-    refused = JacobianOperator(_ScaledNorm().double(), x, y, products="ghost")
+    refused = JacobianOperator(ScaledNorm().double(), x, y, products="ghost")
     assert not refused.direct and "takes the parameter norm" in refused.ghost_refused
     assert getattr(refused, "_ghost", None) is None
 
 
 def test_products_ghost_keeps_the_cached_path_where_the_graphs_would_be_rebuilt(monkeypatch):
     monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)
-    x, y = _batch(4)
-    op = JacobianOperator(_small_cnn(), x, y, products="ghost")
+    x, y = sample_batch(4)
+    op = JacobianOperator(small_cnn(), x, y, products="ghost")
     assert not op.direct and getattr(op, "_ghost", None) is None
 
 
@@ -466,19 +230,19 @@ def test_products_ghost_replaces_the_direct_paths_vmapped_chunks(kept, monkeypat
 
     if not kept:
         monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)
-    model = _vit_model()
-    x, y = _batch(4)
+    model = vit_shaped()
+    x, y = sample_batch(4)
     dtheta = sum(p.numel() for p in model.parameters())
     monkeypatch.setattr(sizing, "CACHED_UP_TO", 4 * dtheta - 1)  # the batch's pullbacks do not fit; 3 samples would
     assert JacobianOperator(model, x, y, products="auto").sample_chunk == 3  # the direct path's vmapped chunks
     op = JacobianOperator(model, x, y, products="ghost")
     assert op.direct and op.one_at_a_time and op._ghost is not None and op._ghost.retained == kept
     u = torch.randn(4, 2, op.dx, dtype=torch.float64)
-    torch.testing.assert_close(op.kmv(u), _dense_k(model, x, y, u), rtol=1e-9, atol=1e-12)
-    jac = _dense_jacobians(model, x, y)
+    torch.testing.assert_close(op.kmv(u), dense_k(model, x, y, u), rtol=1e-9, atol=1e-12)
+    jac = dense_blocks(model, x, y)
     torch.testing.assert_close(op.gradient_images(), torch.einsum("bap,bp->ba", jac, op.per_sample_gradients()),
                                rtol=1e-9, atol=1e-12)
-    scaled = _ScaledNorm().double()
+    scaled = ScaledNorm().double()
     monkeypatch.setattr(sizing, "CACHED_UP_TO", 4 * sum(p.numel() for p in scaled.parameters()) - 1)
     refused = JacobianOperator(scaled, x, y, products="ghost")
     assert refused.direct and refused.sample_chunk == 3 and getattr(refused, "_ghost", None) is None
@@ -492,12 +256,12 @@ def test_ghost_products_on_cuda_keep_graphs_the_cpu_would_rebuild_and_match_the_
     same batch is rebuilt — and the K product, the clipping's images, J of a shared vector and the summed Jᵀ on the card
     equal the dense float64 blocks taken on the CPU."""
     monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)
-    model = _model()
-    x, y = _batch()
+    model = resnet_shaped()
+    x, y = sample_batch()
     assert ghost_products.graph_bytes(torch.device("cpu")) == (0, ghost_products.CHUNK_BYTES)
     assert ghost_products.graph_bytes(torch.device("cuda"))[0] > 0
     u = torch.randn(3, 2, x[0].numel(), dtype=torch.float64)
-    want, jac = _dense_k(model, x, y, u), _dense_jacobians(model, x, y)
+    want, jac = dense_k(model, x, y, u), dense_blocks(model, x, y)
     model.cuda()
     op = JacobianOperator(model, x.cuda(), y.cuda(), products="direct")
     ghost = GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
@@ -515,245 +279,6 @@ def test_ghost_products_on_cuda_keep_graphs_the_cpu_would_rebuild_and_match_the_
                                rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("channels", [3, 16], ids=["col2im backward", "slices backward"])
-def test_patches_equal_unfold_and_its_gradient(channels):
-    """``_Patches`` (a strided view copied, its backward strided slice additions or ``F.fold``) against ``F.unfold``
-    on a channels-last input with uneven stride, padding and dilation."""
-    from flguard.risk.ghost_convolutions import _Patches
-
-    torch.manual_seed(3)
-    x = torch.randn(2, channels, 9, 8, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
-    x.requires_grad_(True)
-    settings = ((3, 2), (2, 1), (1, 2), (2, 1))  # kernel, stride, padding, dilation
-    want = F.unfold(x, settings[0], dilation=settings[3], padding=settings[2], stride=settings[1])
-    got = _Patches.apply(x, *settings)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    cotangent = torch.randn_like(want)
-    torch.testing.assert_close(torch.autograd.grad(got, x, cotangent)[0], torch.autograd.grad(want, x, cotangent)[0],
-                               rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("channels, slices_from", [(3, 1024), (16, 1024), (3, 0), (16, 0)],
-                         ids=["index_add-3", "index_add-16", "slices-3", "slices-16"])
-def test_patches_and_their_fold_are_differentiable_twice(channels, slices_from, monkeypatch):
-    """``unfold`` (``_Patches``) and its backward ``_Fold`` differentiated again — pass 1 records the fold of a
-    convolution taken on its patches — against finite differences, and the fold against ``F.fold``, with stride,
-    padding and dilation uneven: the CPU's two routes (one ``index_add_`` on small maps, strided slices on large
-    ones)."""
-    from flguard.risk import ghost_convolutions
-    from flguard.risk.ghost_convolutions import _Fold, unfold
-
-    monkeypatch.setattr(ghost_convolutions, "SLICES_FROM_POSITIONS", slices_from)
-    torch.manual_seed(5)
-    x = torch.randn(2, channels, 7, 6, dtype=torch.float64, requires_grad=True)
-    settings = ((3, 2), (2, 1), (1, 2), (2, 1))  # kernel, stride, padding, dilation
-    assert torch.autograd.gradgradcheck(lambda t: unfold(t, *settings), (x,))
-    columns = unfold(x, *settings).detach().requires_grad_(True)
-    torch.testing.assert_close(_Fold.apply(columns, x.shape, settings),
-                               F.fold(columns, (7, 6), settings[0], settings[3], settings[2], settings[1]),
-                               rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradgradcheck(lambda t: _Fold.apply(t, x.shape, settings), (columns,))
-
-
-@pytest.mark.parametrize("channels", [1, 4])
-def test_the_input_gradient_of_a_convolution_equals_autograds(channels):
-    """``Convolution.transposed`` (a transposed convolution) against autograd's input gradient of the convolution,
-    with stride, padding and dilation uneven and a last row and column the stride never reaches."""
-    torch.manual_seed(4)
-    x = torch.randn(2, channels, 10, 9, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(5, channels, 3, 2, dtype=torch.float64)
-    settings = ((2, 3), (1, 2), (2, 1))  # stride, padding, dilation
-    layer = Convolution(weight, "conv", settings, torch.zeros(()))
-    y = layer.convolve(x)
-    g = torch.randn_like(y)
-    torch.testing.assert_close(layer.transposed(g, x.shape), torch.autograd.grad(y, x, g)[0], rtol=1e-12, atol=1e-12)
-
-
-def test_a_fully_connected_layers_pairs_dot_the_per_sample_weight_gradients():
-    """``pair_dot`` on a fully connected layer (P = 1, its pairs in one expression): Σ_j ⟨δ_j ⊗ x_j, Σ_pairs a_j ⊗ b_j⟩
-    against the per-sample outer products formed, with a pair whose b is pass 1's x; its gradient in δ and x (pass 3)
-    against autograd of the formed expression; no pairs, zero."""
-    from flguard.risk.ghost_convolutions import Dense, pair_dot
-
-    torch.manual_seed(8)
-    delta = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
-    x = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
-    layer = Dense(torch.randn(5, 7, dtype=torch.float64), "fc", (), torch.zeros(()))
-    layer.first = (delta, x)
-    a1, a2 = torch.randn(2, 4, 5, dtype=torch.float64)
-    b2 = torch.randn(4, 7, dtype=torch.float64)
-    layer.pairs = [(a1, None), (a2, b2)]
-    got = pair_dot(layer, True)
-    w = torch.einsum("bo,bi->boi", a1, x.detach()) + torch.einsum("bo,bi->boi", a2, b2)
-    want = (torch.einsum("bo,bi->boi", delta, x) * w).sum()
-    torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
-    for g, h in zip(torch.autograd.grad(got, (delta, x)), torch.autograd.grad(want, (delta, x))):
-        torch.testing.assert_close(g, h, rtol=1e-13, atol=1e-14)
-    layer.pairs = []
-    assert float(pair_dot(layer, True)) == 0.0
-
-
-@pytest.mark.parametrize("channels", [1, 3, 6])
-def test_a_convolution_on_its_patches_equals_autograds(channels):
-    """``Patched`` on a channels-last input's patches: its output, its input gradient folded back, its summed and
-    per-sample weight gradients against ``F.conv2d`` and autograd, with stride, padding and dilation uneven."""
-    from flguard.risk.ghost_convolutions import Patched, output_positions, unfold
-
-    torch.manual_seed(6)
-    x = torch.randn(3, channels, 10, 9, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
-    x.requires_grad_(True)
-    weight = torch.randn(5, channels, 3, 2, dtype=torch.float64, requires_grad=True)
-    settings = ((2, 3), (1, 2), (2, 1))  # stride, padding, dilation
-    layer = Patched(weight.detach().reshape(5, -1), "conv", settings, torch.zeros(()))
-    patches = unfold(x, (3, 2), *settings)
-    want = F.conv2d(x, weight, None, *settings)
-    got = layer.convolve(patches)
-    torch.testing.assert_close(got.reshape(*got.shape[:2], *output_positions(x, (3, 2), *settings)), want,
-                               rtol=1e-12, atol=1e-12)
-    g = torch.randn_like(want)
-    input_grad, weight_grad = torch.autograd.grad(want, (x, weight), g)
-    folded = torch.autograd.grad(patches, x, layer.transposed(g.reshape(*got.shape), x.shape))[0]
-    torch.testing.assert_close(folded, input_grad, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(layer.weight_gradient(g.reshape(*got.shape), patches.detach()),
-                               weight_grad.reshape(5, -1), rtol=1e-12, atol=1e-12)
-    each = torch.stack([torch.autograd.grad(F.conv2d(x[i:i + 1], weight, None, *settings), weight, g[i:i + 1])[0]
-                        for i in range(3)])
-    torch.testing.assert_close(layer.per_sample_weights(g.reshape(*got.shape), patches.detach()),
-                               each.reshape(3, 5, -1), rtol=1e-12, atol=1e-12)
-
-
-class _TwiceUsed(nn.Module):
-    """One convolution applied twice: its weight's gradient is the sum of two uses, whose cross terms per-use inner
-    products would miss (``weight_dot`` takes both uses as one layer)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 3, 3, padding=1)
-        self.head = nn.Linear(3, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.conv(torch.tanh(self.conv(x)))).mean((2, 3)))
-
-
-class _ScaledNorm(nn.Module):
-    """A parent without parameters of its own that hands its GroupNorm's weight to another function."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.norm = nn.GroupNorm(2, 4)
-        self.head = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        z = self.norm(self.conv(x)) * self.norm.weight.sum()
-        return self.head(z.mean((2, 3)))
-
-
-class _RowByRow(nn.Module):
-    """A [2, F] parameter added to a batch of two samples' [2, F] features: row i gets the parameter's row i, so a
-    sample's output depends on its place in the batch — no per-sample view of the parameter is that map."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 2, 3)
-        self.rows = nn.Parameter(torch.randn(2, 2 * 6 * 7))
-        self.head = nn.Linear(2 * 6 * 7, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.conv(x).flatten(1) + self.rows))
-
-
-class _TiedTranspose(nn.Module):
-    """A fully connected layer whose weight is used again transposed, as a tied decoder (or tied embeddings) uses it:
-    the batched product does not take it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.patches = nn.Conv2d(3, 4, 2, stride=2)
-        self.encode = nn.Linear(4, 6)
-        self.head = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        codes = torch.tanh(self.encode(self.patches(x).flatten(2).transpose(1, 2)))
-        return self.head(F.linear(codes, self.encode.weight.t()).mean(1))
-
-
-@pytest.mark.parametrize("case", ["BatchNorm in eval mode", "a weight used elsewhere", "'same' padding",
-                                  "a weight used transposed"])
-def test_models_the_ghost_product_refuses_keep_the_loop(case):
-    torch.manual_seed(0)
-    if case == "BatchNorm in eval mode":
-        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(3))
-        model(torch.randn(2, 3, 8, 9))
-        model.eval()
-        static = "1: a BatchNorm2d with trainable parameters"
-    elif case == "'same' padding":
-        model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.Conv2d(6, 6, 3, padding="same"), nn.Flatten(), nn.LazyLinear(3))
-        model(torch.randn(2, 3, 8, 9))
-        static = "1: a 'same'-padded convolution"
-    else:
-        model = {"a weight used elsewhere": _ScaledNorm, "a weight used transposed": _TiedTranspose}[case]()
-        static = None
-    model = model.double()
-    assert ghost_support(model) == static
-    x, y = _batch(2)
-    op = JacobianOperator(model, x, y, products="direct")
-    op.sample_chunk = 1
-    u = torch.randn(2, 1, op.dx, dtype=torch.float64)
-    torch.testing.assert_close(op.kmv(u), _dense_k(model, x, y, u), rtol=1e-9, atol=1e-12)
-    assert getattr(op, "_ghost", None) is None
-    if static is None:  # refused by the forward pass's check, and said why
-        assert op.ghost_products
-        expected = {"a weight used elsewhere": "takes the parameter norm",
-                    "a weight used transposed": "t takes the parameter encode.weight"}[case]
-        assert expected in op.ghost_refused
-        with pytest.raises(Unsupported, match=expected.split(" is")[0]):
-            GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
-    else:
-        assert not op.ghost_products
-
-
-def test_a_parameter_that_meets_the_batch_row_by_row_is_refused():
-    """A parameter entering elementwise beside the activations is taken per sample only where it broadcasts over the
-    batch; one whose rows meet the batch's rows (``_RowByRow``) is refused by the forward pass's check (on one
-    sample, where the rows no longer match), and so is one added to a scalar or read through a tensor attribute."""
-    model = _RowByRow().double()
-    assert ghost_support(model) is None
-    x, y = _batch(2)
-    op = JacobianOperator(model, x, y, products="direct")
-    with pytest.raises(Unsupported, match="the parameter rows meets a tensor of its own rank"):
-        GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
-
-    class _Doubled(_RowByRow):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(torch.tanh(self.conv(x).flatten(1) * (2 * self.head.bias).sum()))
-    model = _Doubled().double()
-    op = JacobianOperator(model, x, y, products="direct")
-    with pytest.raises(Unsupported, match="an elementwise product or sum takes the parameter head.bias beside no batch"):
-        GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
-
-    class _Transposed(_RowByRow):  # the parameter's transpose: an attribute of its per-sample view would be wrong
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(torch.tanh(self.conv(x).flatten(1) @ self.rows.T))
-    model = _Transposed().double()
-    model.head = nn.Linear(2, 3).double()
-    op = JacobianOperator(model, x, y, products="direct")
-    with pytest.raises(Unsupported, match="a tensor attribute or comparison of the parameter rows"):
-        GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
-
-
-def test_the_switch_turns_the_loop_back_on(monkeypatch):
-    monkeypatch.setattr(direct, "GHOST_KMV", False)
-    model = _model()
-    x, y = _batch(2)
-    op = JacobianOperator(model, x, y, products="direct")
-    op.sample_chunk = 1
-    assert not op.ghost_products
-    u = torch.randn(2, 1, op.dx, dtype=torch.float64)
-    torch.testing.assert_close(op.kmv(u), _dense_k(model, x, y, u), rtol=1e-9, atol=1e-12)
-    assert getattr(op, "_ghost", None) is None
-
-
 def test_dropping_the_product_frees_its_graphs_without_the_cyclic_collector():
     """The kept graphs hold each convolution's δ, whose graph holds the convolution's backward node: that node refers
     to its layer weakly, so no reference cycle runs through autograd's C++ graph (one did: 10 MB a step of ResNet-8-GN
@@ -761,8 +286,8 @@ def test_dropping_the_product_frees_its_graphs_without_the_cyclic_collector():
     import gc
     import weakref
 
-    model = _model()
-    x, y = _batch()
+    model = resnet_shaped()
+    x, y = sample_batch()
     op = JacobianOperator(model, x, y, products="direct")
     ghost = GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
     ghost(torch.randn(3, 1, op.dx, dtype=torch.float64))
@@ -778,8 +303,8 @@ def test_dropping_the_product_frees_its_graphs_without_the_cyclic_collector():
 def test_a_batch_sliced_from_a_dataset_is_measured_by_its_own_extent():
     """The chunks are sized by the bytes pass 1 keeps for one sample: a batch that is a slice of a whole dataset
     counts its own rows, not the dataset's storage (which had cut a ResNet-18's chunks in half)."""
-    model = _model()
-    x, y = _batch()
+    model = resnet_shaped()
+    x, y = sample_batch()
     dataset = torch.cat([x, torch.randn(500, *x.shape[1:], dtype=x.dtype)])
     op = JacobianOperator(model, dataset[:3], y, products="direct")
     assert op.x.untyped_storage().nbytes() == dataset.untyped_storage().nbytes()  # the operator keeps the view

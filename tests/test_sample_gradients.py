@@ -16,7 +16,7 @@ from flguard.risk.ghost_products import GhostKmv
 from flguard.risk.operator import JacobianOperator
 from flguard.risk.sample_gradients import GhostSampleGradients, SampleGradients
 from risk_reference import assert_certified_on_dense_float64, per_sample_gradients
-from test_ghost_products import SHAPES, _batch
+from ghost_shapes import SHAPES, sample_batch
 
 MEAN, STD = (0.5, 0.4, 0.3), (0.25, 0.2, 0.3)
 
@@ -31,7 +31,7 @@ def test_unformed_gradients_match_plain_autograd(shape, kept, monkeypatch):
     if not kept:
         monkeypatch.setattr(ghost_products, "RETAINED_BYTES", 0)
     model = SHAPES[shape]()
-    x, y = _batch()
+    x, y = sample_batch()
     op = JacobianOperator(model, x, y, products="direct")
     op.sample_chunk = 1
     ghost = GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
@@ -66,7 +66,7 @@ def test_the_operator_never_forms_the_gradients_where_the_graphs_fit_only_in_the
     from flguard.risk import direct
 
     model = SHAPES["ResNet"]()
-    x, y = _batch(4)
+    x, y = sample_batch(4)
     _unformed_sizes(monkeypatch, model, x, y)
     op = JacobianOperator(model, x, y, products="ghost")
     assert op.direct and op._ghost.retained and op._ghost.unformed_gradients

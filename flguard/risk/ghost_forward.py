@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from flguard.risk.ghost_convolutions import (GROUPED_FROM_CHANNELS, Convolution, Dense, GhostConv2d, Patched,
                                              output_positions, unfold)
+from flguard.risk.ghost_activations import closed_form_activation
 from flguard.risk.ghost_group_norm import group_normalize
 
 
@@ -41,9 +42,14 @@ PATCHED_BELOW_CHANNELS = GROUPED_FROM_CHANNELS
 
 #: GroupNorm's normalisation by ``flguard.risk.ghost_group_norm`` (its second derivative in closed form) instead of
 #: ``F.group_norm``, whose recorded backward passes 2 and 3 differentiate op by op. Measured (docs/results.md,
-#: "GroupNorm's second derivative in closed form"): ResNet-18-GN's K product at B = 8 in about 3,600 operations instead
-#: of 4,500, a guarded ResNet-20-GN step about 6% faster on a CPU. False: PyTorch's composite, for comparison.
+#: "GroupNorm's second derivative in closed form"): ResNet-18-GN's K product at B = 8 in 4,101 operations instead of
+#: 4,711 and 0.95× the time on a CPU. False: PyTorch's composite, for comparison.
 CLOSED_FORM_GROUP_NORM = True
+#: GELU and out-of-place SiLU by ``flguard.risk.ghost_activations`` (their second derivatives in closed form, taken
+#: once in pass 1) instead of PyTorch's kernels, whose double backward evaluates them again at every pass. Measured
+#: (docs/results.md, same section): a guarded step of torchvision's ViT (``vit_tiny32``) at B = 8 0.95× the time on a
+#: CPU. False: PyTorch's kernels, for comparison.
+CLOSED_FORM_ACTIVATIONS = True
 
 
 class Unsupported(Exception):
@@ -102,6 +108,10 @@ class PerSampleParameters(TorchFunctionMode):
             return self._conv1d(*args, **kwargs)
         if func is F.group_norm:
             return self._group_norm(*args, **kwargs)
+        if CLOSED_FORM_ACTIVATIONS and (func is F.gelu or func is F.silu):
+            out = closed_form_activation(func, args, kwargs)
+            if out is not None:
+                return out
         if func is F.linear:
             return self._linear(*args, **kwargs)
         if func is torch.Tensor.expand and self._leaf(args[0]):  # a class token [1, 1, D] to [B, 1, D]

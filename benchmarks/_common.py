@@ -54,6 +54,19 @@ def demo_round(config_path: str, steps: int, batch: int = 32, device: str = "cpu
     return config, settings, model.to(device), batches
 
 
+def guarded_step(model: torch.nn.Module, optimizer, criterion, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step of a ``make_guarded`` loop on (x, y); a withheld step (``GuardFailure``) is a step taken too, its
+    reason in the optimizer's report."""
+    from flguard import GuardFailure
+
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    try:
+        optimizer.step()
+    except GuardFailure:
+        pass
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait for the device's queued kernels, so a wall-clock reading covers them (no-op on CPU)."""
     if torch.device(device).type == "cuda":

@@ -25,8 +25,9 @@ import time
 
 import torch
 
+from _common import guarded_step
 from bench_guard_models import LEARNING_RATE, _task
-from flguard import GuardConfig, GuardFailure, make_guarded
+from flguard import GuardConfig, make_guarded
 
 
 def main() -> None:
@@ -63,12 +64,7 @@ def main() -> None:
                 setattr(module, attribute, switch)
                 model, optimizer, criterion = copies[switch]
                 start = time.perf_counter()
-                optimizer.zero_grad()
-                criterion(model(x[index]), y[index]).backward()
-                try:
-                    optimizer.step()
-                except GuardFailure:  # a withheld step is timed as well (its reason in the report)
-                    pass
+                guarded_step(model, optimizer, criterion, x[index], y[index])  # a withheld step timed as well
                 took[switch] = time.perf_counter() - start
             for switch, seconds in took.items():
                 times[switch].append(seconds)

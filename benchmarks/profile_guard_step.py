@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from _common import synchronize
+from _common import guarded_step, synchronize
 from bench_guard_models import LEARNING_RATE, _task
 
 
@@ -36,7 +36,7 @@ def main() -> None:
                         help="the solves' products on their still-iterating samples (SHRINK_TO_ACTIVE) or not")
     parser.add_argument("--rows", type=int, default=30, help="rows of each table")
     args = parser.parse_args()
-    from flguard import GuardConfig, GuardFailure, make_guarded
+    from flguard import GuardConfig, make_guarded
     from flguard.risk import regularised
 
     if args.shrink != "default":
@@ -51,12 +51,7 @@ def main() -> None:
                                                GuardConfig(pixel_mean=data.mean, pixel_std=data.std, seed=1))
 
     def step(idx: torch.Tensor) -> None:
-        optimizer.zero_grad()
-        criterion(model(x[idx]), y[idx]).backward()
-        try:
-            optimizer.step()
-        except GuardFailure:  # a withheld step is profiled as well (its reason in the report)
-            pass
+        guarded_step(model, optimizer, criterion, x[idx], y[idx])  # a withheld step is profiled as well
         synchronize(args.device)
 
     for idx in batches[:args.warmup]:

@@ -1,7 +1,9 @@
-"""The batched K product with GroupNorm's second derivative in closed form (``flguard.risk.ghost_group_norm``)
-against PyTorch's composite (``F.group_norm``), in one process: a trained model of ``bench_guard_models.py``, one
-batch, a ``GhostKmv`` built each way (``ghost_forward.CLOSED_FORM_GROUP_NORM``), then K products timed in
-alternation, and each form's operations per product counted at PyTorch's dispatcher (on a GPU each is a kernel).
+"""The batched K product with GroupNorm's second derivative in closed form against PyTorch's composite.
+
+``flguard.risk.ghost_group_norm`` against ``F.group_norm`` in one process: a trained model of
+``bench_guard_models.py``, one batch, a ``GhostKmv`` built each way (``ghost_forward.CLOSED_FORM_GROUP_NORM``), then
+K products timed in alternation, and each form's operations per product counted at PyTorch's dispatcher (on a GPU
+each is a kernel).
 
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_group_norm_passes.py --model resnet20_gn --batch 8
     cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python bench_group_norm_passes.py --model resnet18_gn --batch 8 \

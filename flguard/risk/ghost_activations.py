@@ -14,8 +14,8 @@ and the backward ḡ·σ'(x) is differentiated as c·σ'(x) in ḡ (PyTorch's ow
 Where a graph of that derivative is asked for (a third derivative: never on the guard's passes) σ'' is taken again
 from x in differentiable operations and ḡ's term through this same function, so every order stays exact. An in-place
 SiLU (``inplace=True``) is left to PyTorch. Checked against PyTorch's kernels (three orders) and finite differences in
-``tests/test_ghost_activations.py``; measured on torchvision's ViT (docs/results.md, "GroupNorm's second derivative in
-closed form").
+``tests/test_ghost_activations.py``; measured on torchvision's ViT (docs/results.md, "GroupNorm's and GELU's second
+derivatives in closed form").
 """
 
 from __future__ import annotations

@@ -42,8 +42,8 @@ PATCHED_BELOW_CHANNELS = GROUPED_FROM_CHANNELS
 
 #: GroupNorm's normalisation by ``flguard.risk.ghost_group_norm`` (its second derivative in closed form) instead of
 #: ``F.group_norm``, whose recorded backward passes 2 and 3 differentiate op by op. Measured (docs/results.md,
-#: "GroupNorm's second derivative in closed form"): ResNet-18-GN's K product at B = 8 in 4,101 operations instead of
-#: 4,711 and 0.95× the time on a CPU. False: PyTorch's composite, for comparison.
+#: "GroupNorm's and GELU's second derivatives in closed form"): ResNet-18-GN's K product at B = 8 in 4,101 operations
+#: instead of 4,711 and 0.95× the time on a CPU. False: PyTorch's composite, for comparison.
 CLOSED_FORM_GROUP_NORM = True
 #: GELU and out-of-place SiLU by ``flguard.risk.ghost_activations`` (their second derivatives in closed form, taken
 #: once in pass 1) instead of PyTorch's kernels, whose double backward evaluates them again at every pass. Measured

@@ -18,8 +18,9 @@ a few full-size passes a layer, with μ and r the forward pass's. Where a graph 
 derivative: never on the guard's passes, which differentiate pass 1's graph once) μ and r are taken again from x in
 differentiable operations, so that every order stays exact. Checked against PyTorch's composite (three orders) and
 finite differences in ``tests/test_ghost_group_norm.py``. Measured (``benchmarks/bench_group_norm_passes.py``, one CPU
-thread; docs/results.md, "GroupNorm's second derivative in closed form"): ResNet-18-GN's K product at B = 8 in 4,101
-operations at PyTorch's dispatcher instead of 4,711 and 0.95× the time, its graphs' build in 1,353 instead of 2,273.
+thread; docs/results.md, "GroupNorm's and GELU's second derivatives in closed form"): ResNet-18-GN's K product at
+B = 8 in 4,101 operations at PyTorch's dispatcher instead of 4,711 and 0.95× the time, its graphs' build in 1,353
+instead of 2,273.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from flguard.risk import direct
 from flguard.risk.ghost_forward import Unsupported, ghost_support
@@ -89,3 +90,31 @@ def test_the_switch_turns_the_loop_back_on(monkeypatch):
     u = torch.randn(2, 1, op.dx, dtype=torch.float64)
     torch.testing.assert_close(op.kmv(u), dense_k(model, x, y, u), rtol=1e-9, atol=1e-12)
     assert getattr(op, "_ghost", None) is None
+
+
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
+def test_an_activation_of_a_parameter_is_refused_as_before_the_closed_form(activation):
+    """GELU and SiLU run through their closed-form second derivatives (``flguard.risk.ghost_activations``) on
+    activations only: one handed a parameter (a learned gate) is refused by the forward pass's check, as any function
+    of a parameter the batched product does not rewrite, and the operator keeps the exact one-sample loop."""
+
+    class _Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.gate = nn.Parameter(torch.randn(4))
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.conv(x)).mean((2, 3)) * getattr(F, activation)(self.gate))
+
+    torch.manual_seed(0)
+    model = _Gated().double()
+    x, y = sample_batch(2)
+    op = JacobianOperator(model, x, y, products="direct")
+    with pytest.raises(Unsupported, match=f"{activation} takes the parameter gate"):
+        GhostKmv(model, op.params, op.buffers, op.loss_fn, op.x, op.y)
+    op.sample_chunk = 1
+    u = torch.randn(2, 1, op.dx, dtype=torch.float64)
+    torch.testing.assert_close(op.kmv(u), dense_k(model, x, y, u), rtol=1e-9, atol=1e-12)
+    assert getattr(op, "_ghost", None) is None and "takes the parameter gate" in op.ghost_refused

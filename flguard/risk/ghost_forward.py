@@ -108,10 +108,6 @@ class PerSampleParameters(TorchFunctionMode):
             return self._conv1d(*args, **kwargs)
         if func is F.group_norm:
             return self._group_norm(*args, **kwargs)
-        if CLOSED_FORM_ACTIVATIONS and (func is F.gelu or func is F.silu):
-            out = closed_form_activation(func, args, kwargs)
-            if out is not None:
-                return out
         if func is F.linear:
             return self._linear(*args, **kwargs)
         if func is torch.Tensor.expand and self._leaf(args[0]):  # a class token [1, 1, D] to [B, 1, D]
@@ -123,6 +119,10 @@ class PerSampleParameters(TorchFunctionMode):
         tracked = [t for t in _tensors((args, kwargs)) if id(t) in self.weights or id(t) in self.per_sample]
         if tracked and getattr(func, "__name__", "") not in _METADATA:
             raise Unsupported(f"{getattr(func, '__name__', func)} takes the parameter {self._name(tracked[0])}")
+        if CLOSED_FORM_ACTIVATIONS and (func is F.gelu or func is F.silu):  # on activations, never on a parameter
+            out = closed_form_activation(func, args, kwargs)
+            if out is not None:
+                return out
         result = func(*args, **kwargs)
         if tracked and isinstance(result, torch.Tensor):  # ``.T``, ``.data``, a comparison: a per-sample view reshaped
             raise Unsupported(f"a tensor attribute or comparison of the parameter {self._name(tracked[0])}")
